@@ -1,0 +1,184 @@
+"""Classify an install against its patch set's manifest (``patchtool status``).
+
+Per target file: pristine, patched, partial (series applied up to some
+patch), patched-older-revision, drifted or missing, by sha256 against the
+manifest (whose pre-images come from the wheel).  Overall: one state from
+STATES.  Pure reading: nothing here writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .manifest import STATE_FIXED_UPSTREAM, FileHash, PatchSetDir
+from .record import check_rows, parse_record
+from .target import Discovery
+
+NOT_INSTALLED = "not-installed"
+PRISTINE = "pristine"
+PATCHED = "patched"
+PATCHED_OLDER = "patched-older-revision"
+PARTIAL = "partially-patched"
+DRIFTED = "drifted"
+UNSUPPORTED = "unsupported-version"
+FIXED_UPSTREAM = "fixed-upstream"
+STATES = (NOT_INSTALLED, PRISTINE, PATCHED, PATCHED_OLDER, PARTIAL, DRIFTED, UNSUPPORTED,
+          FIXED_UPSTREAM)
+
+# Per-file states.
+F_PRISTINE, F_PATCHED, F_PARTIAL, F_OLDER, F_DRIFTED, F_MISSING = (
+    "pristine", "patched", "partial", "patched-older-revision", "drifted", "missing")
+
+
+@dataclass
+class FileStatus:
+    path: str
+    state: str
+    hash: str | None
+    size: int | None
+    pristine_hash: str
+    patched_hash: str
+    step: str | None = None  # last applied patch id, for "partial"
+    revision: int | None = None  # for "patched" / "patched-older-revision"
+    record_row: str = ""  # RECORD row vs file on disk: ok | mismatch | missing | absent
+
+
+@dataclass
+class RecordSummary:
+    rows: int
+    checked: int
+    mismatches: int
+    deep: bool  # every row checked (else only the target files' rows)
+    mismatched: list[str] = field(default_factory=list)  # first few paths
+    # Rows outside the site dir ("../../bin/x") whose file is absent: normal
+    # for `pip install --target`, which records scripts where it staged them.
+    external_missing: int = 0
+
+
+@dataclass
+class Status:
+    state: str
+    detail: str
+    tool_version: str
+    python: str | None
+    python_version: str | None
+    site_dirs: list[str]
+    site: str | None = None
+    dist_info: str | None = None
+    lmcache_version: str | None = None
+    installer: str | None = None
+    install_source: str | None = None  # "index" or direct_url.json's url
+    patch_set: str | None = None
+    patch_set_dir: str | None = None
+    revision: int | None = None  # the shipped (current) revision
+    applied_through: str | None = None  # last patch applied, when partially patched
+    vllm_versions: list[str] = field(default_factory=list)
+    files: list[FileStatus] = field(default_factory=list)
+    record: RecordSummary | None = None
+    recovered_files: int = 0  # restored from an interrupted run's journal
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = False,
+             set_name: str | None = None) -> Status:
+    t = discovery.target
+    st = Status(NOT_INSTALLED, "lmcache is not installed", __version__, discovery.python,
+                discovery.python_version, discovery.site_dirs)
+    if t is None:
+        return st
+    st.site, st.dist_info = str(t.site), str(t.dist_info)
+    st.lmcache_version, st.installer = t.version, t.installer
+    st.install_source = (t.direct_url or {}).get("url", "index") if t.direct_url else "index"
+
+    record_rows = parse_record(t.record_path.read_bytes())
+    if pset is None:
+        st.state = UNSUPPORTED
+        st.detail = (f"no patch set{' ' + set_name if set_name else ''} for lmcache {t.version}")
+        st.record = _record_summary(t.site, record_rows, set(), deep)
+        return st
+
+    m = pset.manifest
+    st.patch_set, st.patch_set_dir = pset.name, str(pset.path)
+    st.revision, st.vllm_versions = m.revision, m.vllm_versions
+    if m.state == STATE_FIXED_UPSTREAM:
+        st.state, st.detail = FIXED_UPSTREAM, m.reason or "fixed upstream"
+        st.record = _record_summary(t.site, record_rows, set(), deep)
+        return st
+
+    n = len(m.patches)
+    ids = m.step_ids()
+    by_path = {r.path: r for r in record_rows}
+    common_steps: set[int] | None = None
+    older_ok = {p["revision"]: True for p in m.previous_revisions}
+    any_missing_or_drift = False
+    for path in m.files:
+        data = _read(t.site / path)
+        pre, post = m.hash_after(path, 0), m.hash_after(path, n)
+        fs = FileStatus(path, F_MISSING, None, None, pre.hash, post.hash)
+        st.files.append(fs)
+        row = by_path.get(path)
+        if data is None:
+            fs.record_row = "absent" if row is None else "missing"
+            any_missing_or_drift = True
+            common_steps = set()
+            continue
+        fh = FileHash.of(data)
+        fs.hash, fs.size = fh.hash, fh.size
+        fs.record_row = ("absent" if row is None else
+                         "ok" if (row.hash, row.size) == (fh.hash, str(fh.size)) else "mismatch")
+        steps = {k for k in range(n + 1) if m.hash_after(path, k) == fh}
+        common_steps = steps if common_steps is None else common_steps & steps
+        for prev in m.previous_revisions:
+            if prev["files"].get(path, pre) != fh:
+                older_ok[prev["revision"]] = False
+        if n in steps:
+            fs.state, fs.revision = F_PATCHED, m.revision
+        elif 0 in steps:
+            fs.state = F_PRISTINE
+        elif steps:
+            fs.state, fs.step = F_PARTIAL, ids[max(steps) - 1]
+        else:
+            older = [p["revision"] for p in m.previous_revisions if p["files"].get(path) == fh]
+            if older:
+                fs.state, fs.revision = F_OLDER, older[0]
+            else:
+                fs.state = F_DRIFTED
+                any_missing_or_drift = True
+
+    common_steps = common_steps or set()
+    older = [r for r, ok in older_ok.items() if ok]
+    if n in common_steps:
+        st.state, st.detail = PATCHED, f"patched with {pset.name} revision {m.revision}"
+    elif 0 in common_steps:
+        st.state, st.detail = PRISTINE, "files are as the wheel installed them"
+    elif common_steps:
+        k = max(common_steps)
+        st.state, st.applied_through = PARTIAL, ids[k - 1]
+        st.detail = f"series applied up to {ids[k - 1]} ({k} of {n})"
+    elif older and not any_missing_or_drift:
+        st.state = PATCHED_OLDER
+        st.detail = f"patched with revision {older[0]}; revision {m.revision} is shipped"
+    else:
+        bad = [f.path for f in st.files if f.state in (F_DRIFTED, F_MISSING)]
+        st.state = DRIFTED
+        st.detail = (f"{bad[0]} matches no known pristine or patched state" if bad
+                     else "files are at different patch steps")
+    st.record = _record_summary(t.site, record_rows, set(m.files), deep)
+    return st
+
+
+def _record_summary(site: Path, rows: list, targets: set[str], deep: bool) -> RecordSummary:
+    chosen = rows if deep else [r for r in rows if r.path in targets]
+    checks = [c for c in check_rows(site, chosen) if c.status != "unhashed"]
+    external = [c for c in checks if c.status == "missing" and c.path.startswith("../")]
+    bad = [c.path for c in checks if c.status != "ok" and c not in external]
+    return RecordSummary(len(rows), len(checks) - len(external), len(bad), deep, bad[:20],
+                         len(external))

@@ -1,0 +1,33 @@
+"""Exception classes.  A :class:`Refusal` is the only way a command declines to
+act: the CLI prints it as ONE line ``patchtool: <file>: <reason>`` and exits
+with its code, and nothing has been written by then (refusals are raised before
+any transaction starts)."""
+
+from __future__ import annotations
+
+from .exitcodes import ExitCode
+
+
+class Refusal(Exception):
+    code: ExitCode = ExitCode.REFUSED
+
+    def __init__(self, file: object, reason: str, code: ExitCode | None = None) -> None:
+        super().__init__(f"{file}: {reason}")
+        self.file = str(file)
+        self.reason = reason
+        if code is not None:
+            self.code = code
+
+
+class NotInstalled(Refusal):
+    code = ExitCode.NOT_INSTALLED
+
+
+class PatchParseError(Refusal):
+    """A patch file unidiff cannot parse, or one this tool does not support
+    (added/removed/renamed/binary files, paths outside site-packages)."""
+
+
+class TargetStateRefusal(Refusal):
+    """The install is in a state the command cannot act on (drifted, unsupported
+    version, fixed upstream); the code is the state's exit code."""

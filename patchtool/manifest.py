@@ -1,0 +1,409 @@
+"""Patch-set manifests: generation from a real wheel, loading, and the
+patch-file integrity gate.
+
+A patch set for one LMCache version is a directory
+``<root>/<set>/<lmcache-version>/`` holding ``NN-name.patch`` files and a
+``manifest.json`` produced by ``patchtool manifest build`` (never by hand).
+Field reference: README.md ("Manifest").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .errors import Refusal
+from .record import parse_record, record_hash
+
+SCHEMA = "lmcache-patchtool/manifest/v1"
+MANIFEST_NAME = "manifest.json"
+STATE_PATCH = "patch"
+STATE_FIXED_UPSTREAM = "fixed-upstream"
+
+
+@dataclass(frozen=True)
+class FileHash:
+    hash: str  # RECORD form: "sha256=<urlsafe b64>"
+    size: int
+
+    @classmethod
+    def of(cls, data: bytes) -> "FileHash":
+        return cls(record_hash(data), len(data))
+
+    def to_json(self) -> dict:
+        return {"hash": self.hash, "size": self.size}
+
+
+@dataclass
+class Manifest:
+    patch_set: str
+    lmcache_version: str
+    state: str  # "patch" | "fixed-upstream"
+    revision: int
+    vllm_versions: list[str]
+    upstream: list[str]
+    tool_version: str
+    wheel: dict  # {"filename", "sha256" (hex)}
+    reason: str = ""
+    # [{"id", "file", "sha256" (hex), "files": [paths]}], in series order
+    patches: list[dict] = field(default_factory=list)
+    # path -> {"pre": FileHash, "post": FileHash, "steps": {patch id: FileHash}}
+    # "steps" holds the file's bytes after each patch that touches it
+    # (cumulative), so a series applied only up to --patch ID is recognised.
+    files: dict[str, dict] = field(default_factory=dict)
+    # [{"revision", "patches": {file: sha256}, "files": {path: FileHash}}]
+    previous_revisions: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        out: dict = {
+            "schema": SCHEMA,
+            "patch_set": self.patch_set,
+            "lmcache_version": self.lmcache_version,
+            "state": self.state,
+        }
+        if self.reason:
+            out["reason"] = self.reason
+        out.update({
+            "revision": self.revision,
+            "vllm_versions": self.vllm_versions,
+            "upstream": self.upstream,
+            "tool_version": self.tool_version,
+            "wheel": self.wheel,
+            "patches": self.patches,
+            "files": {
+                path: {
+                    "pre": entry["pre"].to_json(),
+                    "post": entry["post"].to_json(),
+                    "steps": {k: v.to_json() for k, v in entry["steps"].items()},
+                }
+                for path, entry in self.files.items()
+            },
+            "previous_revisions": [
+                {"revision": p["revision"], "patches": p["patches"],
+                 "files": {k: v.to_json() for k, v in p["files"].items()}}
+                for p in self.previous_revisions
+            ],
+        })
+        return out
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2) + "\n"
+
+    def step_ids(self) -> list[str]:
+        return [p["id"] for p in self.patches]
+
+    def hash_after(self, path: str, step: int) -> FileHash:
+        """The file's expected hash after the first ``step`` patches (0 = pristine)."""
+        entry = self.files[path]
+        found = entry["pre"]
+        for pid in self.step_ids()[:step]:
+            found = entry["steps"].get(pid, found)
+        return found
+
+
+def _fh(obj: dict, where: Path) -> FileHash:
+    try:
+        return FileHash(str(obj["hash"]), int(obj["size"]))
+    except (KeyError, TypeError, ValueError):
+        raise Refusal(where, f"malformed file hash entry {obj!r}") from None
+
+
+def load_manifest(path: Path) -> Manifest:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise Refusal(path, "missing: generate it with `patchtool manifest build`") from None
+    except ValueError as exc:
+        raise Refusal(path, f"not valid JSON ({exc})") from None
+    if raw.get("schema") != SCHEMA:
+        raise Refusal(path, f"unknown schema {raw.get('schema')!r} (this tool reads {SCHEMA})")
+    try:
+        return Manifest(
+            patch_set=raw["patch_set"],
+            lmcache_version=raw["lmcache_version"],
+            state=raw["state"],
+            reason=raw.get("reason", ""),
+            revision=int(raw["revision"]),
+            vllm_versions=list(raw["vllm_versions"]),
+            upstream=list(raw["upstream"]),
+            tool_version=raw["tool_version"],
+            wheel=dict(raw["wheel"]),
+            patches=list(raw["patches"]),
+            files={
+                p: {"pre": _fh(e["pre"], path), "post": _fh(e["post"], path),
+                    "steps": {k: _fh(v, path) for k, v in e["steps"].items()}}
+                for p, e in raw["files"].items()
+            },
+            previous_revisions=[
+                {"revision": int(p["revision"]), "patches": dict(p["patches"]),
+                 "files": {k: _fh(v, path) for k, v in p["files"].items()}}
+                for p in raw["previous_revisions"]
+            ],
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise Refusal(path, f"malformed manifest ({exc!r})") from None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class PatchSetDir:
+    """One ``<set>/<version>`` directory with its verified manifest."""
+
+    name: str
+    version: str
+    path: Path
+    manifest: Manifest
+
+    def patch_files(self) -> list[Path]:
+        return [self.path / p["file"] for p in self.manifest.patches]
+
+    def load_patches(self, upto: int | None = None) -> list:
+        """Parse the series (first ``upto`` patches).  Hashes were checked at load."""
+        from .applier import parse_patch
+
+        files = self.patch_files()
+        return [parse_patch(p) for p in files[: len(files) if upto is None else upto]]
+
+
+def verify_patch_files(directory: Path, manifest: Manifest) -> None:
+    """Refuse unless the directory's *.patch files are exactly the manifest's,
+    byte for byte (sha256).  This runs before any patch is parsed."""
+    listed = [p["file"] for p in manifest.patches]
+    present = sorted(p.name for p in directory.glob("*.patch"))
+    for name in present:
+        if name not in listed:
+            raise Refusal(directory / name, "not listed in manifest.json (rebuild the manifest)")
+    for entry in manifest.patches:
+        path = directory / entry["file"]
+        if not path.is_file():
+            raise Refusal(path, "listed in manifest.json but missing")
+        actual = sha256_file(path)
+        if actual != entry["sha256"]:
+            raise Refusal(path, f"sha256 {actual} differs from manifest.json "
+                          f"({entry['sha256']}): the patch file was modified after the "
+                          "manifest was built")
+
+
+def open_patch_set(directory: Path) -> PatchSetDir:
+    directory = Path(directory)
+    manifest = load_manifest(directory / MANIFEST_NAME)
+    if manifest.lmcache_version != directory.name:
+        raise Refusal(directory / MANIFEST_NAME, f"is for lmcache {manifest.lmcache_version}, "
+                      f"but lives in a directory named {directory.name}")
+    verify_patch_files(directory, manifest)
+    return PatchSetDir(directory.parent.name, directory.name, directory, manifest)
+
+
+def catalog(root: Path) -> list[tuple[str, str, Path]]:
+    """(set, version, dir) for every ``<root>/<set>/<version>/`` directory."""
+    out = []
+    if not root.is_dir():
+        return out
+    for set_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+        for ver_dir in sorted(p for p in set_dir.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+            out.append((set_dir.name, ver_dir.name, ver_dir))
+    return out
+
+
+def find_patch_set(root: Path, version: str, set_name: str | None) -> PatchSetDir | None:
+    """The patch set for ``version``; None when no set covers it.
+
+    A version directory without manifest.json and without patches (the lead's
+    placeholder while a series is being written) does not count as support.
+    """
+    matches = [(s, d) for s, v, d in catalog(root)
+               if v == version and (set_name is None or s == set_name)
+               and ((d / MANIFEST_NAME).exists() or any(d.glob("*.patch")))]
+    if set_name is not None and not any(s == set_name for s, _, _ in catalog(root)):
+        raise Refusal(root / set_name, "no such patch set")
+    if not matches:
+        return None
+    if len(matches) > 1:
+        names = ", ".join(s for s, _ in matches)
+        raise Refusal(root, f"several patch sets cover lmcache {version} ({names}); choose one with --set")
+    return open_patch_set(matches[0][1])
+
+
+# ---------------------------------------------------------------- building
+
+
+def _wheel_members(wheel: Path) -> tuple[str, dict[str, tuple[str, str]]]:
+    """(lmcache version, RECORD rows as path -> (hash, size)) of a wheel."""
+    import zipfile  # only the build path needs it; status must start fast
+
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        records = [n for n in names if n.count("/") == 1 and n.endswith(".dist-info/RECORD")]
+        if len(records) != 1:
+            raise Refusal(wheel, "not a wheel: expected exactly one *.dist-info/RECORD")
+        dist_info = records[0].split("/")[0]
+        meta = zf.read(f"{dist_info}/METADATA").decode("utf-8", "replace")
+        version = next((line.split(":", 1)[1].strip() for line in meta.splitlines()
+                        if line.lower().startswith("version:")), "")
+        name = next((line.split(":", 1)[1].strip() for line in meta.splitlines()
+                     if line.lower().startswith("name:")), "")
+        if name.lower() != "lmcache":
+            raise Refusal(wheel, f"is a wheel of {name!r}, not lmcache")
+        rows = {r.path: (r.hash, r.size) for r in parse_record(zf.read(records[0]))}
+    return version, rows
+
+
+def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
+                   vllm_versions: list[str] | None = None, upstream: list[str] | None = None,
+                   fixed_upstream: str | None = None, write: bool = True) -> Manifest:
+    """Generate (and by default write) ``directory/manifest.json``.
+
+    Pre-images come from the wheel (each checked against the wheel's own
+    RECORD), post-images from applying the whole series with this tool's
+    applier.  Options not given are kept from an existing manifest, so a
+    rebuild with no options reproduces it exactly.
+    """
+    import zipfile
+
+    from .applier import APPLIES, apply_series, parse_patch
+
+    directory = Path(directory)
+    wheel = Path(wheel)
+    if not wheel.is_file():
+        raise Refusal(wheel, "no such wheel file")
+    existing = None
+    if (directory / MANIFEST_NAME).exists():
+        existing = load_manifest(directory / MANIFEST_NAME)
+    if revision is None:
+        revision = existing.revision if existing else 1
+    if vllm_versions is None:
+        vllm_versions = existing.vllm_versions if existing else []
+    if upstream is None:
+        upstream = existing.upstream if existing else []
+    if fixed_upstream is None and existing and existing.state == STATE_FIXED_UPSTREAM:
+        fixed_upstream = existing.reason
+
+    version, rows = _wheel_members(wheel)
+    if version != directory.name:
+        raise Refusal(wheel, f"is lmcache {version}, but the patch set directory is for {directory.name}")
+
+    previous: list[dict] = []
+    if existing is not None:
+        if revision < existing.revision:
+            raise Refusal(directory / MANIFEST_NAME, f"has revision {existing.revision}; "
+                          f"refusing to build an older revision {revision}")
+        previous = list(existing.previous_revisions)
+        if revision > existing.revision and existing.state == STATE_PATCH:
+            # Keep the superseded revision's post-images: an install patched
+            # with it is then "patched-older-revision", not "drifted".
+            previous.insert(0, {
+                "revision": existing.revision,
+                "patches": {p["file"]: p["sha256"] for p in existing.patches},
+                "files": {k: v["post"] for k, v in existing.files.items()},
+            })
+
+    patch_paths = sorted(directory.glob("*.patch"))
+    common = dict(patch_set=directory.parent.name, lmcache_version=version, revision=revision,
+                  vllm_versions=list(vllm_versions), upstream=list(upstream),
+                  tool_version=__version__,
+                  wheel={"filename": wheel.name, "sha256": sha256_file(wheel)},
+                  previous_revisions=previous)
+    if fixed_upstream is not None:
+        if patch_paths:
+            raise Refusal(patch_paths[0], "a fixed-upstream patch set must not contain patches")
+        manifest = Manifest(state=STATE_FIXED_UPSTREAM, reason=fixed_upstream, **common)
+    else:
+        if not patch_paths:
+            raise Refusal(directory, "contains no *.patch files (use --fixed-upstream REASON "
+                          "for a version that needs none)")
+        patches = [parse_patch(p) for p in patch_paths]
+        with zipfile.ZipFile(wheel) as zf:
+            names = set(zf.namelist())
+
+            def read(path: str) -> bytes | None:
+                if path not in names:
+                    return None
+                data = zf.read(path)
+                row = rows.get(path)
+                if row is None or row[0] != record_hash(data) or row[1] != str(len(data)):
+                    raise Refusal(wheel, f"{path} does not match the wheel's own RECORD")
+                return data
+
+            pristine: dict[str, FileHash] = {}
+            steps: dict[str, dict[str, FileHash]] = {}
+            for i, patch in enumerate(patches):
+                # Apply prefix by prefix so each step's cumulative hash is known.
+                result = apply_series(patches[: i + 1], read)
+                bad = [r for r in result.results if r.status != APPLIES]
+                if bad:
+                    r = bad[0]
+                    hunk = next((h for h in r.hunks if h.status != APPLIES), None)
+                    why = f"{r.path}: {r.status}" + (f" at {hunk.header}: {hunk.detail}" if hunk else "")
+                    raise Refusal(patches[[p.id for p in patches].index(r.patch)].file,
+                                  f"does not apply to the pristine wheel in series order ({why})")
+                for fp in patch.files:
+                    data = result.files[fp.path]
+                    assert data is not None
+                    steps.setdefault(fp.path, {})[patch.id] = FileHash.of(data)
+                    if fp.path not in pristine:
+                        pristine[fp.path] = FileHash.of(read(fp.path) or b"")
+        files = {
+            path: {"pre": pristine[path], "post": list(steps[path].values())[-1], "steps": steps[path]}
+            for path in sorted(steps)
+        }
+        manifest = Manifest(
+            state=STATE_PATCH,
+            patches=[{"id": p.id, "file": p.file.name, "sha256": p.sha256,
+                      "files": [fp.path for fp in p.files]} for p in patches],
+            files=files, **common)
+    if write:
+        tmp = directory / f".{MANIFEST_NAME}.tmp"
+        tmp.write_text(manifest.dumps(), encoding="utf-8")
+        os.replace(tmp, directory / MANIFEST_NAME)
+    return manifest
+
+
+@dataclass
+class ListRow:
+    set: str
+    lmcache_version: str
+    path: str
+    state: str  # patch | fixed-upstream | invalid: <reason> | no manifest
+    revision: int | None = None
+    patches: int = 0
+    vllm_versions: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+
+
+def list_patch_sets(root: Path) -> list[ListRow]:
+    rows = []
+    for set_name, version, d in catalog(root):
+        row = ListRow(set_name, version, str(d), "no manifest")
+        if (d / MANIFEST_NAME).exists():
+            try:
+                ps = open_patch_set(d)
+            except Refusal as exc:
+                row.state = f"invalid: {exc.reason}"
+            else:
+                m = ps.manifest
+                row.state, row.revision, row.patches = m.state, m.revision, len(m.patches)
+                row.vllm_versions, row.files = m.vllm_versions, sorted(m.files)
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class BuildSummary:
+    path: str
+    lmcache_version: str
+    state: str
+    revision: int
+    patches: int
+    files: int
+    manifest: dict

@@ -1,0 +1,159 @@
+"""The one formatting layer: logic returns dataclasses, this renders them as
+JSON (``--json``) or as rich tables for people.  rich is imported only on the
+human path, so ``--json`` stays fast."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import Refusal
+
+
+def to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def emit_json(kind: str, obj: Any, exit_code: int = 0) -> None:
+    payload = {"command": kind, "exit_code": int(exit_code), "result": to_jsonable(obj)}
+    sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+
+
+def refusal(exc: Refusal, as_json: bool) -> None:
+    # Exactly one line on stderr, whatever the mode; JSON adds a stdout object.
+    sys.stderr.write(f"patchtool: {exc.file}: {exc.reason}\n")
+    if as_json:
+        sys.stdout.write(json.dumps({"error": {"file": exc.file, "reason": exc.reason,
+                                               "exit_code": int(exc.code)}}, indent=2) + "\n")
+
+
+def emit_human(kind: str, obj: Any, exit_code: int = 0) -> None:
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    render = _RENDERERS[kind]
+    render(console, obj)
+    if exit_code:
+        console.print(f"exit code {int(exit_code)}")
+
+
+_STYLE = {"pristine": "yellow", "patched": "green", "drifted": "red", "missing": "red",
+          "partial": "yellow", "patched-older-revision": "yellow", "applies": "cyan",
+          "already-applied": "green", "conflict": "red", "ok": "green", "mismatch": "red"}
+
+
+def _styled(word: str | None) -> str:
+    if word is None:
+        return ""
+    style = _STYLE.get(word)
+    return f"[{style}]{word}[/]" if style else word
+
+
+def _table(*cols: str):
+    from rich.table import Table
+
+    table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
+    for c in cols:
+        table.add_column(c)
+    return table
+
+
+def _status_header(console, st) -> None:
+    console.print(f"interpreter : {st.python or '-'} ({st.python_version or '-'})")
+    console.print(f"site dir    : {st.site or ', '.join(st.site_dirs) or '-'}")
+    if st.lmcache_version:
+        console.print(f"lmcache     : {st.lmcache_version} (installer: {st.installer or '?'}, "
+                      f"source: {st.install_source})")
+    if st.patch_set:
+        vllm = ", ".join(st.vllm_versions) or "-"
+        console.print(f"patch set   : {st.patch_set} revision {st.revision} (vLLM verified: {vllm})")
+
+
+def _render_status(console, st) -> None:
+    _status_header(console, st)
+    if st.recovered_files:
+        console.print(f"[yellow]recovered an interrupted run: {st.recovered_files} file(s) "
+                      "rolled back[/]")
+    if st.files:
+        t = _table("file", "state", "sha256 (RECORD form)", "RECORD row")
+        for f in st.files:
+            state = f.state + (f" ({f.step})" if f.step else "") + \
+                (f" (rev {f.revision})" if f.revision is not None else "")
+            t.add_row(f.path, _styled(f.state).replace(f.state, state), f.hash or "-",
+                      _styled(f.record_row))
+        console.print(t)
+    if st.record is not None:
+        scope = "all rows" if st.record.deep else "target rows (--deep: all rows)"
+        console.print(f"RECORD      : {st.record.checked} checked, {st.record.mismatches} "
+                      f"mismatched ({scope}; {st.record.rows} rows)")
+    console.print(f"state       : [bold]{_styled(st.state)}[/] - {st.detail}")
+
+
+def _render_hunks(console, hunks) -> None:
+    t = _table("patch", "file", "hunk", "line", "result", "detail")
+    for fr in hunks:
+        if not fr.hunks:
+            t.add_row(fr.patch, fr.path, "-", "-", _styled(fr.status), "")
+        for h in fr.hunks:
+            t.add_row(fr.patch, fr.path, f"#{h.index} {h.header}", str(h.line),
+                      _styled(h.status), h.detail)
+    console.print(t)
+
+
+def _render_apply(console, r) -> None:
+    _render_hunks(console, r.hunks)
+    files = ", ".join(r.changed_files) or "none"
+    verb = {"applied": "applied", "dry-run": "would change", "no-op": "nothing to do"}[r.action]
+    console.print(f"{r.patch_set} revision {r.revision} through {r.through} on lmcache "
+                  f"{r.lmcache_version}: {verb} ({files})")
+    if r.removed_pyc:
+        console.print(f"removed {len(r.removed_pyc)} stale .pyc file(s)")
+    if r.state_after:
+        console.print(f"state       : [bold]{_styled(r.state_after)}[/]")
+
+
+def _render_revert(console, r) -> None:
+    files = ", ".join(r.restored_files) or "none"
+    verb = {"reverted": "restored", "dry-run": "would restore", "no-op": "nothing to revert"}[r.action]
+    console.print(f"lmcache {r.lmcache_version}: {verb} ({files}) from {r.source}")
+    if r.state_after:
+        console.print(f"state       : [bold]{_styled(r.state_after)}[/]")
+
+
+def _render_verify(console, r) -> None:
+    _render_status(console, r.status)
+    t = _table("check", "result", "detail")
+    for c in r.checks:
+        t.add_row(c.name, _styled("ok" if c.ok else "mismatch").replace("mismatch", "FAILED"),
+                  c.detail)
+    if r.checks:
+        console.print(t)
+    console.print(f"verify      : [bold]{'OK' if r.ok else 'NOT OK'}[/] ({r.verdict})")
+
+
+def _render_list(console, rows) -> None:
+    t = _table("set", "lmcache", "revision", "state", "patches", "vLLM verified", "dir")
+    for r in rows:
+        t.add_row(r.set, r.lmcache_version, str(r.revision if r.revision is not None else "-"),
+                  r.state, str(r.patches), ", ".join(r.vllm_versions) or "-", r.path)
+    console.print(t)
+
+
+def _render_manifest(console, r) -> None:
+    console.print(f"wrote {r.path}: lmcache {r.lmcache_version}, {r.state}, revision "
+                  f"{r.revision}, {r.patches} patch(es), {r.files} file(s)")
+
+
+_RENDERERS = {"status": _render_status, "apply": _render_apply, "revert": _render_revert,
+              "verify": _render_verify, "list": _render_list, "manifest": _render_manifest}

@@ -1,0 +1,214 @@
+"""Find the LMCache installation to act on, without importing lmcache.
+
+Three sources: the running interpreter (default), another interpreter given by
+``--python`` (asked in a subprocess for its site dirs), or a plain directory
+given by ``--site-packages`` (``pip install --target``).  The distribution is
+found by its ``lmcache-*.dist-info`` directory only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import NotInstalled, Refusal
+
+DIST_NAME = "lmcache"
+
+# Run in the target interpreter with -I (isolated: no PYTHONPATH, no cwd on
+# sys.path, so a stray json.py cannot shadow the stdlib).  Only stdlib modules
+# are imported there; lmcache never is.
+_SITE_PROBE = r"""
+import json, site, sys, sysconfig
+paths = sysconfig.get_paths()
+dirs = [paths.get("purelib"), paths.get("platlib")]
+try:
+    dirs += site.getsitepackages()
+except AttributeError:
+    pass
+# The user site is disabled by -I, but the interpreter would normally see it
+# (outside a venv), so report it as long as it exists.
+if sys.prefix == sys.base_prefix:
+    dirs.append(site.getusersitepackages())
+print(json.dumps({"executable": sys.executable, "version": sys.version.split()[0], "dirs": dirs}))
+"""
+
+
+@dataclass
+class Target:
+    """One located lmcache distribution."""
+
+    python: str | None  # interpreter whose site dirs were searched; None for --site-packages
+    python_version: str | None
+    site_dirs: list[str]  # every dir searched, in order
+    site: Path  # the dir holding lmcache-*.dist-info
+    dist_info: Path
+    version: str
+    installer: str
+    direct_url: dict | None = field(default=None, repr=False)
+
+    @property
+    def record_path(self) -> Path:
+        return self.dist_info / "RECORD"
+
+    @property
+    def state_dir(self) -> Path:
+        # Outside the lmcache package (pip never looks at it, uninstall of
+        # lmcache leaves it alone) but on the same filesystem as the targets.
+        return self.site / ".lmcache-patchtool"
+
+
+@dataclass
+class Discovery:
+    """What was searched; ``target`` is None when lmcache is not installed."""
+
+    python: str | None
+    python_version: str | None
+    site_dirs: list[str]
+    target: Target | None
+
+
+def _probe_interpreter(python: str) -> tuple[str, str, list[str]]:
+    exe = Path(python)
+    if not exe.exists():
+        raise Refusal(python, "no such interpreter")
+    try:
+        proc = subprocess.run([str(exe), "-I", "-c", _SITE_PROBE], capture_output=True,
+                              text=True, timeout=60)
+    except OSError as exc:
+        raise Refusal(python, f"cannot run interpreter: {exc.strerror or exc}") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise Refusal(python, f"interpreter failed to report its site dirs: {last}")
+    info = json.loads(proc.stdout)
+    return info["executable"], info["version"], info["dirs"]
+
+
+def _own_site_dirs() -> list[str]:
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    dirs = [paths.get("purelib"), paths.get("platlib")] + list(site.getsitepackages())
+    if sys.prefix == sys.base_prefix and site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dirs if d]
+
+
+def _dedupe_existing(dirs: list[str]) -> list[str]:
+    seen: set[str] = set()
+    out = []
+    for d in dirs:
+        if not d or not os.path.isdir(d):
+            continue
+        real = os.path.realpath(d)
+        if real not in seen:
+            seen.add(real)
+            out.append(d)
+    return out
+
+
+def _normalize(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def _lmcache_dists(site_dir: str) -> list[Path]:
+    found = []
+    for entry in os.scandir(site_dir):
+        name = entry.name
+        for suffix in (".dist-info", ".egg-info"):
+            if name.endswith(suffix) and "-" in name[: -len(suffix)]:
+                project = name[: -len(suffix)].split("-", 1)[0]
+                if _normalize(project) == DIST_NAME:
+                    found.append(Path(entry.path))
+        if name.endswith(".egg-link") and _normalize(name[: -len(".egg-link")]) == DIST_NAME:
+            found.append(Path(entry.path))
+    return sorted(found)
+
+
+def _read_metadata_version(dist_info: Path) -> str:
+    try:
+        with open(dist_info / "METADATA", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if not line.strip():
+                    break  # end of the headers
+                if line.lower().startswith("version:"):
+                    return line.split(":", 1)[1].strip()
+    except FileNotFoundError:
+        raise Refusal(dist_info / "METADATA", "missing: the distribution is incomplete") from None
+    raise Refusal(dist_info / "METADATA", "has no Version header")
+
+
+def _refuse_non_wheel_install(dist: Path) -> dict | None:
+    if dist.suffix != ".dist-info":
+        raise Refusal(dist, "legacy egg/develop install: its files are not a wheel's, "
+                      "so no manifest hash can vouch for them; reinstall lmcache from its wheel")
+    try:
+        direct_url = json.loads((dist / "direct_url.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        raise Refusal(dist / "direct_url.json", "not valid JSON") from None
+    if direct_url.get("dir_info", {}).get("editable"):
+        raise Refusal(dist, f"editable install of {direct_url.get('url', 'a source tree')}: "
+                      "patching would edit a source checkout, and its files are not the wheel's; "
+                      "apply the patches to the checkout with git instead")
+    if "vcs_info" in direct_url:
+        raise Refusal(dist, f"installed from VCS ({direct_url.get('url', '?')}): its files "
+                      "were built from a commit, not the release wheel, so the manifest's "
+                      "hashes cannot be trusted for it")
+    return direct_url
+
+
+def discover(python: str | None = None, site_packages: str | None = None) -> Discovery:
+    """Search the chosen interpreter's (or directory's) site dirs.
+
+    Refuses (one line) on two visible lmcache distributions and on editable,
+    VCS and egg installs.  Not being installed is a state, not an error here.
+    """
+    if site_packages is not None:
+        if not os.path.isdir(site_packages):
+            raise Refusal(site_packages, "not a directory")
+        exe, pyver, dirs = None, None, [site_packages]
+    elif python is not None:
+        exe, pyver, dirs = _probe_interpreter(python)
+    else:
+        exe, pyver = sys.executable, sys.version.split()[0]
+        dirs = _own_site_dirs()
+    dirs = _dedupe_existing(dirs)
+
+    found: list[Path] = []
+    for d in dirs:
+        found.extend(_lmcache_dists(d))
+    if not found:
+        return Discovery(exe, pyver, dirs, None)
+    if len(found) > 1:
+        listed = ", ".join(str(p) for p in found)
+        raise Refusal(found[1], f"two lmcache distributions are visible ({listed}); "
+                      "which one Python imports depends on sys.path order, so the tool "
+                      "will not guess: uninstall one")
+    dist = found[0]
+    direct_url = _refuse_non_wheel_install(dist)
+    version = _read_metadata_version(dist)
+    try:
+        installer = (dist / "INSTALLER").read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        installer = ""
+    if not (dist / "RECORD").is_file():
+        # The spec says tools must not modify a distribution without RECORD.
+        raise Refusal(dist / "RECORD", "missing: without RECORD the install cannot be "
+                      "checked or kept consistent")
+    target = Target(exe, pyver, dirs, dist.parent, dist, version, installer, direct_url)
+    return Discovery(exe, pyver, dirs, target)
+
+
+def require_target(discovery: Discovery) -> Target:
+    if discovery.target is None:
+        where = discovery.python or (discovery.site_dirs[0] if discovery.site_dirs else "?")
+        raise NotInstalled(where, "lmcache is not installed (searched: "
+                           + ", ".join(discovery.site_dirs) + ")")
+    return discovery.target
