@@ -1,0 +1,128 @@
+"""03-block-id-resync.patch: LMCache's tracked block ids vs vLLM 0.27.1's
+real scheduler-side lists (BlockPool + MambaManager align/spec + FA).
+
+verify/resync_sim.py drives the real vLLM KVCacheManager and the real
+LMCacheMPConnector (scheduler role); see its docstring for what is emulated.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+PATCH_03 = (Path(__file__).resolve().parents[2]
+            / "patches" / "hybrid-fa" / "0.5.3" / "03-block-id-resync.patch")
+
+pytestmark = pytest.mark.slow
+
+HYBRID = ("hybrid", "hybrid-c1")
+
+
+def _divergent_steps(result: dict) -> list[int]:
+    return [s["step"] for s in result["steps"] if s["divergence"]]
+
+
+def _bad_stores(result: dict) -> list[tuple[int, dict]]:
+    return [(s["step"], st) for s in result["steps"] for st in s["stores"] if st["problems"]]
+
+
+def _events(result: dict) -> str:
+    return " | ".join(e for s in result["steps"] for e in s["events"])
+
+
+def test_patch_is_connector_only_and_applies_with_zero_fuzz(resync_overlays):
+    # provision.overlay applied it with `patch -p1 -F0`; check the target.
+    text = PATCH_03.read_text()
+    targets = {line.split()[1] for line in text.splitlines() if line.startswith(("--- ", "+++ "))}
+    assert targets == {"a/lmcache/integration/vllm/lmcache_mp_connector.py",
+                       "b/lmcache/integration/vllm/lmcache_mp_connector.py"}
+    patched = resync_overlays["patched"] / "lmcache/integration/vllm/lmcache_mp_connector.py"
+    assert "class _BlockIdResync" in patched.read_text()
+
+
+@pytest.mark.parametrize("scenario", HYBRID)
+def test_scenario_covers_the_required_sequence(run_sim, scenario):
+    """The sequence really contains what the issue is about (else the
+    equality below would prove nothing)."""
+    pristine = run_sim(scenario, "pristine")
+    ev = _events(pristine)
+    for needle in ("drafts accepted", "0/2 drafts", "2/2 drafts", "preempt B",
+                   "resume B", "admit C", "finish A"):
+        assert needle in ev, needle
+    divs = [d for s in pristine["steps"] for d in s["divergence"]]
+    # Relocation: the append-only list holds a moved id twice in one group.
+    assert any(len([b for b in ids if b]) != len({b for b in ids if b})
+               for d in divs for ids in d["tracked"]), "no speculative-block relocation seen"
+    # In-place frees: vLLM has the null block where LMCache keeps an id.
+    assert any(t and v == 0 for d in divs for tg, vg in zip(d["tracked"], d["vllm"])
+               for t, v in zip(tg, vg)), "no in-place free seen"
+    problems = " ".join(p for _, st in _bad_stores(pristine) for p in st["problems"])
+    assert "now at ['A/" in problems and "now at ['B/" in problems  # reused ids
+    assert any(f"/g{g}/" in problems for g in (0, 1))
+
+
+@pytest.mark.parametrize("scenario", HYBRID)
+def test_pristine_diverges_from_vllm(run_sim, scenario):
+    steps = _divergent_steps(run_sim(scenario, "pristine"))
+    assert steps and steps[0] <= 4, steps
+
+
+@pytest.mark.parametrize("scenario", HYBRID)
+def test_patched_tracker_equals_vllm_after_every_step(run_sim, scenario):
+    result = run_sim(scenario, "patched")
+    assert len(result["steps"]) >= 20
+    assert _divergent_steps(result) == [], [
+        (s["step"], s["divergence"]) for s in result["steps"] if s["divergence"]][:2]
+
+
+@pytest.mark.parametrize("scenario", HYBRID)
+def test_patched_stores_use_vllm_blocks_only(run_sim, scenario):
+    result = run_sim(scenario, "patched")
+    assert _bad_stores(result) == []
+    stores = [st for s in result["steps"] for st in s["stores"]]
+    assert stores, "nothing stored: the check above would be vacuous"
+
+
+def test_patched_stores_decode_chunks_when_safe(run_sim):
+    """With one Mamba block per chunk, decode-phase chunks are still stored
+    (correctly), so fail-closed does not mean store-nothing."""
+    result = run_sim("hybrid-c1", "patched")
+    decode_stores = [st for s in result["steps"] if s["drafts"] for st in s["stores"]]
+    assert len(decode_stores) >= 5
+
+
+@pytest.mark.parametrize("scenario", HYBRID)
+def test_recycled_block_store_is_refused_or_redirected(run_sim, scenario):
+    """Every store where pristine reads a recycled/free/null/foreign block is,
+    in the patched connector, either not issued or issued with vLLM's ids."""
+    pristine, patched = run_sim(scenario, "pristine"), run_sim(scenario, "patched")
+    bad = _bad_stores(pristine)
+    assert bad
+    patched_stores = {(s["step"], st["req"], st["start"]): st
+                      for s in patched["steps"] for st in s["stores"]}
+    for step, st in bad:
+        redo = patched_stores.get((step, st["req"], st["start"]))
+        assert redo is None or redo["problems"] == [], (step, st, redo)
+    assert "Not storing tokens" in patched["stderr"]  # refusal is logged
+
+
+@pytest.mark.parametrize("scenario", ["plain", "plain-spec"])
+def test_non_hybrid_behaviour_unchanged(run_sim, scenario):
+    """Full-attention-only models, with and without drafts: same tracked
+    lists and same STORE ops, step by step, pristine vs patched."""
+    a, b = run_sim(scenario, "pristine"), run_sim(scenario, "patched")
+    assert a["steps"] == b["steps"]
+    assert sum(len(s["stores"]) for s in a["steps"]) >= 5
+
+
+def test_patch_applies_to_fresh_wheel(tmp_path):
+    import zipfile
+
+    import provision
+
+    with zipfile.ZipFile(provision.wheel("0.5.3")) as zf:
+        zf.extract("lmcache/integration/vllm/lmcache_mp_connector.py", tmp_path)
+    subprocess.run(["patch", "-p1", "-F0", "--dry-run", "-d", str(tmp_path), "-i",
+                    str(PATCH_03)], check=True, capture_output=True)

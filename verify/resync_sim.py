@@ -1,0 +1,390 @@
+#!/usr/bin/env python3
+"""Drive LMCache's scheduler-side connector with vLLM 0.27.1's REAL block
+management and compare block ids after every step.
+
+Run in the vLLM test env (``scripts/provision_vllm.py``) with
+``PYTHONPATH=<lmcache overlay>:<vllm target>``; the overlay decides whether
+pristine or patched lmcache is exercised.  Only the GPU and the LMCache
+server are fake: blocks come from vLLM's ``KVCacheManager`` (``BlockPool`` +
+``HybridKVCacheCoordinator`` + ``MambaManager`` in ``align`` mode with
+speculative blocks + ``FullAttentionManager``), and the connector is
+``LMCacheMPConnector`` built through its own ``__init__`` (scheduler role).
+
+The scheduling loop mirrors ``vllm.v1.core.sched.scheduler.Scheduler``
+(0.27.1) for what matters to block ids: running requests first, then waiting
+ones; ``allocate_slots`` with lookahead; ``update_state_after_alloc`` with
+``get_blocks``; ``NewRequestData``/``CachedRequestData`` as the scheduler
+builds them; ``_update_after_schedule``; draft rejection rolling back
+``num_computed_tokens``; preemption; ``_connector_finished`` on finish.
+It is synchronous scheduling (no async placeholders), prefill chunks are one
+Mamba block (what LMCache's ``validate_mamba_step_alignment`` enforces), and
+blocks of finished requests are freed at once (no delayed free).
+
+Output (``--out``, JSON): per step, the divergences between each tracker's lists
+and ``kv_cache_manager.get_block_ids(req)``, and every STORE LMCache planned
+with what vLLM's lists say about its slots at that moment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+from typing import Any
+
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
+from vllm.v1.request import Request, RequestStatus
+
+import lmcache.integration.vllm.lmcache_mp_connector as mpc
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+
+class FakeSchedulerAdapter:
+    """Stands in for the ZMQ client to the LMCache server: no hits."""
+
+    def __init__(self, *, lmcache_tokens_per_chunk: int, **_: Any):
+        self.lmcache_tokens_per_chunk = lmcache_tokens_per_chunk
+
+    def maybe_submit_lookup_request(self, *a, **k): ...
+    def check_lookup_result(self, request_id):  # noqa: ARG002
+        return 0
+    def cleanup_lookup_result(self, *a, **k): ...
+    def free_lookup_locks(self, *a, **k): ...
+    def report_block_allocations(self, *a, **k): ...
+    def end_session(self, *a, **k): ...
+    def shutdown(self): ...
+
+
+def make_connector(kv_cache_config, block_size: int, num_spec: int, chunk: int,
+                   groups_kind: str):
+    mpc.LMCacheMPSchedulerAdapter = lambda **kw: FakeSchedulerAdapter(  # type: ignore[assignment]
+        lmcache_tokens_per_chunk=chunk, **kw)
+    extra: dict[str, Any] = {}
+    ktc = types.SimpleNamespace(
+        kv_connector_extra_config=extra,
+        get_from_extra_config=lambda key, default: extra.get(key, default),
+    )
+    vllm_config = types.SimpleNamespace(
+        kv_transfer_config=ktc,
+        parallel_config=types.SimpleNamespace(
+            world_size=1, rank=0, tensor_parallel_size=1, pipeline_parallel_size=1,
+            data_parallel_size=1),
+        model_config=types.SimpleNamespace(model="sim", use_mla=False,
+                                           is_hybrid=groups_kind == "hybrid"),
+        cache_config=types.SimpleNamespace(
+            block_size=block_size,
+            mamba_cache_mode="align" if groups_kind == "hybrid" else "none"),
+        # LMCache requires block_size <= max_num_batched_tokens < 2*block_size
+        # for align mode; the loop below schedules prefill in such chunks.
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=block_size),
+        speculative_config=(types.SimpleNamespace(num_speculative_tokens=num_spec)
+                            if num_spec else None),
+    )
+    return mpc.LMCacheMPConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+class Sim:
+    def __init__(self, *, block_size: int, num_spec: int, chunk: int, num_blocks: int,
+                 groups_kind: str = "hybrid", bind_pool: bool = True):
+        init_none_hash(sha256)
+        self.L, self.S, self.C = block_size, num_spec, chunk
+        fa = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
+                               dtype=torch.float16)
+        groups = [KVCacheGroupSpec(["attn0"], fa)]
+        if groups_kind == "hybrid":
+            mb = MambaSpec(block_size=block_size, shapes=((16,),), dtypes=(torch.float16,),
+                           mamba_cache_mode="align", num_speculative_blocks=num_spec)
+            # Qwen3.5-like: Mamba groups first, one attention group; all share
+            # one BlockPool, so a freed Mamba id can come back in any group.
+            groups = [KVCacheGroupSpec(["ssm0"], mb), KVCacheGroupSpec(["ssm1"], mb)] + groups
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                             kv_cache_groups=groups)
+        self.G = len(groups)
+        self.mamba_groups = [i for i, g in enumerate(groups)
+                             if isinstance(g.kv_cache_spec, MambaSpec)]
+        self.mgr = KVCacheManager(self.kv_cache_config, max_model_len=4096,
+                                  scheduler_block_size=block_size, hash_block_size=block_size,
+                                  enable_caching=True, use_eagle=False)
+        self.conn = make_connector(self.kv_cache_config, block_size, num_spec, chunk,
+                                   groups_kind)
+        if bind_pool:
+            self.conn.bind_gpu_block_pool(self.mgr.block_pool)
+        self.hasher = get_request_block_hasher(block_size, sha256)
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self.waiting: list[Request] = []
+        self.max_tokens: dict[str, int] = {}
+        self.step_no = 0
+        self.log: list[dict] = []
+        self._token = 50_000
+        self.finished_ids: set[str] = set()
+
+    # ---- requests -------------------------------------------------------
+    def add(self, rid: str, prompt_len: int, max_tokens: int) -> None:
+        base = 1000 * (len(self.requests) + 1)  # distinct prompts: no cross hits
+        req = Request(rid, list(range(base, base + prompt_len)),
+                      SamplingParams(max_tokens=max_tokens), None,
+                      block_hasher=self.hasher)
+        self.requests[rid] = req
+        self.max_tokens[rid] = max_tokens
+        self.waiting.append(req)
+
+    def _chunk_len(self, req: Request, num_new: int) -> int:
+        # Scheduler._mamba_block_aligned_split: prefill chunks end on block
+        # boundaries (one block per step, as LMCache's validation requires).
+        start = req.num_computed_tokens
+        prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
+        if start >= prefill_end:
+            return num_new
+        return min(num_new, self.L - start % self.L, prefill_end - start)
+
+    # ---- one scheduler step -----------------------------------------------
+    def step(self, accept: dict[str, int] | None = None,
+             preempt: tuple[str, ...] = ()) -> dict:
+        accept = accept or {}
+        self.step_no += 1
+        self.mgr.new_step_starts()
+        events: list[str] = []
+        preempted: set[str] = set()
+        for rid in preempt:  # what Scheduler._preempt_request does
+            req = self.requests[rid]
+            self.running.remove(req)
+            self.mgr.free(req)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            req.spec_token_ids = []
+            req.num_preemptions += 1
+            self.waiting.insert(0, req)
+            preempted.add(rid)
+            events.append(f"preempt {rid}")
+
+        sched_running: list[Request] = []
+        sched_new: list[Request] = []
+        sched_resumed: list[Request] = []
+        new_blocks: dict[str, Any] = {}
+        num_sched: dict[str, int] = {}
+        spec: dict[str, list[int]] = {}
+        for req in list(self.running):
+            num_new = req.num_tokens_with_spec - req.num_computed_tokens
+            num_new = self._chunk_len(req, num_new)
+            blocks = self.mgr.allocate_slots(req, num_new, num_lookahead_tokens=self.S)
+            assert blocks is not None, f"pool too small at step {self.step_no}"
+            sched_running.append(req)
+            new_blocks[req.request_id] = blocks
+            num_sched[req.request_id] = num_new
+            if req.spec_token_ids:
+                n_spec = num_new + req.num_computed_tokens - req.num_tokens
+                if n_spec > 0:
+                    spec[req.request_id] = req.spec_token_ids[:n_spec]
+                req.spec_token_ids = []
+        for req in list(self.waiting):
+            if req.request_id in preempted:
+                continue  # not in the same step it was preempted
+            comp_blocks, num_local, *_ = self.mgr.get_computed_blocks(req)
+            ext, load_async = self.conn.get_num_new_matched_tokens(req, num_local)
+            assert not ext and not load_async
+            req.num_computed_tokens = num_local
+            num_new = self._chunk_len(req, req.num_tokens - num_local)
+            blocks = self.mgr.allocate_slots(req, num_new, num_new_computed_tokens=num_local,
+                                             new_computed_blocks=comp_blocks,
+                                             num_lookahead_tokens=self.S)
+            assert blocks is not None, f"pool too small at step {self.step_no}"
+            self.conn.update_state_after_alloc(req, self.mgr.get_blocks(req.request_id), 0)
+            self.waiting.remove(req)
+            self.running.append(req)
+            (sched_new if req.status == RequestStatus.WAITING else sched_resumed).append(req)
+            events.append(("admit " if req.status == RequestStatus.WAITING else "resume ")
+                          + f"{req.request_id} (prefix hit {num_local})")
+            req.status = RequestStatus.RUNNING
+            new_blocks[req.request_id] = self.mgr.get_blocks(req.request_id)
+            num_sched[req.request_id] = num_new
+
+        # SchedulerOutput exactly as Scheduler.schedule (MRV1) fills it.
+        new_reqs = [NewRequestData.from_request(r, new_blocks[r.request_id].get_block_ids())
+                    for r in sched_new]
+        chain = sched_running + sched_resumed
+        cached = CachedRequestData(
+            req_ids=[r.request_id for r in chain],
+            resumed_req_ids={r.request_id for r in sched_resumed},
+            new_token_ids=[], all_token_ids={},
+            new_block_ids=[new_blocks[r.request_id].get_block_ids(allow_none=True)
+                           for r in chain],
+            num_computed_tokens=[r.num_computed_tokens for r in chain],
+            num_output_tokens=[r.num_output_tokens for r in chain],
+        )
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_sched, total_num_scheduled_tokens=sum(num_sched.values()),
+            scheduled_spec_decode_tokens=spec, scheduled_encoder_inputs={},
+            num_common_prefix_blocks=[0] * self.G, finished_req_ids=set(self.finished_ids),
+            free_encoder_mm_hashes=[], preempted_req_ids=preempted)
+        self.finished_ids = set()
+        meta = self.conn.build_connector_meta(out)
+        record = self._check(meta, events, spec)
+
+        # _update_after_schedule, then the model "runs" and update_from_output.
+        for rid, n in num_sched.items():
+            self.requests[rid].num_computed_tokens += n
+        for rid, n in num_sched.items():
+            req = self.requests[rid]
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # mid-prefill chunk: nothing sampled
+            drafts = spec.get(rid, [])
+            ok = min(accept.get(rid, 0), len(drafts))
+            req.num_computed_tokens -= len(drafts) - ok  # rejected drafts roll back
+            if drafts:
+                events.append(f"{rid}: {ok}/{len(drafts)} drafts accepted")
+            for _ in range(ok + 1):
+                self._token += 1
+                req.append_output_token_ids(self._token)
+            if req.num_output_tokens >= self.max_tokens[rid]:
+                self._finish(req)
+                events.append(f"finish {rid}")
+            elif self.S:
+                req.spec_token_ids = [self._token + 1 + i for i in range(self.S)]
+        return record
+
+    def _finish(self, req: Request) -> None:
+        # Scheduler._connector_finished, then the blocks are freed.
+        rid = req.request_id
+        self.mgr.remove_skipped_blocks(rid, req.num_computed_tokens,
+                                       num_prompt_tokens=req.num_prompt_tokens)
+        block_ids = self.mgr.get_block_ids_for_computed_tokens(rid, req.num_computed_tokens)
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        self.conn.request_finished_all_groups(req, block_ids)
+        self.mgr.free(req)
+        self.running.remove(req)
+        self.finished_ids.add(rid)
+
+    # ---- comparison -----------------------------------------------------
+    def _vllm_lists(self, rid: str) -> list[list[int]]:
+        req = self.requests[rid]
+        if req.status in (RequestStatus.PREEMPTED,) or req.is_finished():
+            return [[] for _ in range(self.G)]
+        return [list(x) for x in self.mgr.get_block_ids(rid)]
+
+    def _check(self, meta, events: list[str], spec: dict) -> dict:
+        pool = self.mgr.block_pool
+        owners: dict[int, list[str]] = {}
+        for rid, req in self.requests.items():
+            for g, ids in enumerate(self._vllm_lists(rid)):
+                for slot, b in enumerate(ids):
+                    if b:
+                        owners.setdefault(b, []).append(f"{rid}/g{g}/slot{slot}")
+        divergence = []
+        for rid, tracker in self.conn.request_trackers.items():
+            tracked = [list(tracker.allocated_block_ids.get(g, [])) for g in range(self.G)]
+            truth = self._vllm_lists(rid)
+            if tracked != truth:
+                divergence.append({"req": rid, "tracked": tracked, "vllm": truth})
+        stores = []
+        for m in meta.requests:
+            if m.direction != "STORE":
+                continue
+            op = m.op
+            truth = self._vllm_lists(m.request_id)
+            problems = []
+            for g, ids in enumerate(op.block_ids):
+                tpb = self.L
+                first = op.start // tpb
+                for k, b in enumerate(ids):
+                    slot = first + k
+                    want = truth[g][slot] if slot < len(truth[g]) else None
+                    if b != want:
+                        problems.append(f"g{g} slot{slot}: reads block {b}, vLLM has {want}"
+                                        + (f" (block {b} now at {owners.get(b)})"
+                                           if owners.get(b) else ""))
+                    if b == 0:
+                        problems.append(f"g{g} slot{slot}: null block")
+                    elif pool.blocks[b].ref_cnt == 0:
+                        problems.append(f"g{g} slot{slot}: block {b} is free")
+                    if g in self.mamba_groups and slot >= len(truth[g]) - self.S:
+                        problems.append(f"g{g} slot{slot}: speculative slot")
+            stores.append({"req": m.request_id, "start": op.start, "end": op.end,
+                           "block_ids": op.block_ids, "problems": problems})
+        rec = {"step": self.step_no, "events": events, "divergence": divergence,
+               "stores": stores, "drafts": {k: len(v) for k, v in spec.items()}}
+        self.log.append(rec)
+        return rec
+
+
+def scenario_hybrid(bind_pool: bool = True, chunk: int = 4) -> Sim:
+    """Chunked prefill, decode with accepted/rejected drafts (which relocates
+    speculative Mamba blocks when a step spans two blocks), in-place frees,
+    ids reused by the same and by other requests/groups, preemption and
+    resume, finish, and a late request that receives recycled ids."""
+    sim = Sim(block_size=2, num_spec=2, chunk=chunk, num_blocks=48, bind_pool=bind_pool)
+    sim.add("A", prompt_len=7, max_tokens=14)
+    sim.add("B", prompt_len=5, max_tokens=40)
+    for _ in range(4):                          # chunked prefill (2 tokens/step)
+        sim.step()
+    plan = [{"A": 2, "B": 0}, {"A": 0, "B": 2}, {"A": 1, "B": 1}, {"A": 2, "B": 2},
+            {"A": 2, "B": 0}, {"A": 0, "B": 2}]
+    for acc in plan:                             # decode with drafts
+        sim.step(acc)
+    sim.step({"A": 2}, preempt=("B",))           # B preempted: all its blocks freed
+    sim.add("C", prompt_len=6, max_tokens=8)      # C gets recycled ids
+    for acc in [{"A": 2, "C": 1}, {"A": 1, "C": 2}, {"A": 2, "C": 0}]:
+        sim.step(acc)
+    for acc in [{"A": 2, "B": 2, "C": 2}, {"A": 0, "B": 1, "C": 2}, {"A": 2, "B": 2, "C": 1},
+                {"A": 2, "B": 0, "C": 2}, {"A": 1, "B": 2, "C": 2}, {"B": 2, "C": 0},
+                {"B": 1, "C": 2}, {"B": 2}, {"B": 0}, {"B": 2}]:
+        if not sim.running and not sim.waiting:
+            break
+        sim.step(acc)
+    return sim
+
+
+def scenario_plain(num_spec: int) -> Sim:
+    """Non-hybrid (single full-attention group), with or without drafts."""
+    sim = Sim(block_size=2, num_spec=num_spec, chunk=4, num_blocks=64, groups_kind="plain")
+    sim.add("A", prompt_len=7, max_tokens=10)
+    sim.add("B", prompt_len=9, max_tokens=12)
+    for _ in range(5):
+        sim.step()
+    for acc in [{"A": 2, "B": 0}, {"A": 0, "B": 2}, {"A": 1, "B": 1}]:
+        sim.step(acc)
+    sim.step({"A": 2}, preempt=("B",))
+    for acc in [{"A": 2, "B": 1}] * 8:
+        if not sim.running and not sim.waiting:
+            break
+        sim.step(acc)
+    return sim
+
+
+SCENARIOS = {
+    "hybrid": lambda: scenario_hybrid(True),
+    "hybrid-nopool": lambda: scenario_hybrid(False),
+    # One Mamba block per LMCache chunk: decode-phase chunks are storable.
+    "hybrid-c1": lambda: scenario_hybrid(True, chunk=2),
+    "plain-spec": lambda: scenario_plain(2),
+    "plain": lambda: scenario_plain(0),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("scenario", choices=sorted(SCENARIOS))
+    ap.add_argument("--out", required=True, help="JSON result file (vLLM logs to stdout)")
+    args = ap.parse_args()
+    sim = SCENARIOS[args.scenario]()
+    with open(args.out, "w") as fh:
+        json.dump({"scenario": args.scenario, "steps": sim.log,
+                   "patched": hasattr(mpc, "_BlockIdResync")}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
