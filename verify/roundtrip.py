@@ -1,0 +1,798 @@
+#!/usr/bin/env python3
+"""In-process CPU round-trip harness for LMCache's LMCache-driven transfer path.
+
+Runs the REAL ``LMCacheDrivenTransferModule`` (``register_kv_cache`` ->
+``store`` -> ``retrieve``) of whatever lmcache is first on ``sys.path`` (the
+runtime venv, or an overlay prepended to ``PYTHONPATH``) on CPU tensors laid
+out exactly as vLLM 0.27.1 registers a hybrid model (``geometry.py``):
+
+1. a source KV cache is filled with random bytes and registered as instance 1;
+   a destination cache of the same geometry is filled with a poison byte and
+   registered as instance 2;
+2. ``store`` copies ``num_chunks`` chunks from scattered source block ids into
+   host objects handed out by a fake storage manager (real ``TensorMemoryObj``
+   / ``MemoryObjMetadata`` carved from one pool, so ``data_ptr - pool_base ==
+   meta.address`` as with LMCache's own allocators);
+3. ``retrieve`` copies them back into *different* scattered destination block
+   ids, optionally skipping an already-cached prefix (``skip_first_n_tokens``),
+   with LMCache's own batching (up to ``max_batch_size`` = 4 chunks per launch);
+4. per group (GDN, FA) it reports the fraction of requested bytes restored
+   exactly, bytes written outside the destination blocks (foreign writes),
+   writes into the skipped prefix, and the host object's segment size vs the
+   full size; per chunk the sha256 of every object segment.
+
+Only what cannot run on CPU is replaced: the CUDA native plan executor is
+emulated from the Python path's semantics (``--path native``, see
+``_harness_native.py``); events/streams are LMCache's own CPU stubs.
+
+Guards (on by default): frozen base-object metadata and a recorder of every
+host<->staging copy (``_harness_guards.py``).
+
+Run by path in the target interpreter, e.g.::
+
+    PYTHONPATH=<overlay> <venv>/bin/python verify/roundtrip.py --json --preset qwen35-0.8b
+    ... verify/roundtrip.py --json --matrix fast --path native
+    ... verify/roundtrip.py --json --cell preset=gdn-27b,chunk_blocks=2,num_chunks=5,skip_blocks=3
+
+The JSON goes to stdout (LMCache's logging is moved to stderr); ``--out FILE``
+writes it to a file as well.  Exit status: 0 when every cell ran (whether or not
+it passed -- pristine 0.5.3 is expected to fail), 2 on a harness error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import geometry
+
+POISON = 0xA5
+MODEL = "roundtrip-model"
+TARGET_FILES = (
+    "lmcache/v1/kv_layer_groups.py",
+    "lmcache/v1/multiprocess/modules/lmcache_driven_transfer.py",
+    "lmcache/v1/platform/base/cache_context.py",
+    "lmcache/integration/vllm/lmcache_mp_connector.py",
+)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One harness run: a geometry, a request shape and a transfer path."""
+
+    preset: str = "qwen35-0.8b"  # geometry preset, NAME[@dtype]
+    chunk_blocks: int = 1  # C = chunk_blocks * N
+    num_chunks: int = 3
+    skip_blocks: int = 0  # logical blocks of already-cached prefix skipped on retrieve
+    ids: str = "scattered"  # scattered | identity (store and retrieve ids 0..m-1)
+    path: str = "python"  # python | native (emulated execute_object_group_transfer)
+    seed: int = 1234
+
+    @property
+    def name(self) -> str:
+        return (f"{self.preset}/C={self.chunk_blocks}N/x{self.num_chunks}/skip{self.skip_blocks}"
+                f"/{self.ids}/{self.path}")
+
+    @staticmethod
+    def parse(text: str, **defaults: Any) -> "Cell":
+        """``key=value,...`` (keys: the dataclass fields)."""
+        kw: dict[str, Any] = dict(defaults)
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = part.partition("=")
+            key = key.strip().replace("-", "_")
+            if key not in Cell.__dataclass_fields__:
+                raise ValueError(f"unknown cell field {key!r}")
+            kw[key] = int(value) if key in ("chunk_blocks", "num_chunks", "skip_blocks", "seed") else value
+        return Cell(**kw)
+
+
+# ---------------------------------------------------------------------------
+# Matrices.  "fast": a few seconds in total; "full": the whole geometry matrix.
+# ---------------------------------------------------------------------------
+
+def matrix(name: str, path: str = "python") -> list[Cell]:
+    cells: list[Cell] = []
+    if name == "fast":
+        cells = [
+            Cell("qwen35-0.8b", 1, 3, 0),
+            Cell("qwen35-0.8b", 2, 5, 3),  # batched retrieve (4 + 1), skip mid-chunk
+            Cell("qwen35-0.8b", 1, 2, 0, ids="identity"),  # the reporter's "first page only" case
+            Cell("control-k1", 1, 3, 0),
+            Cell("control-k1", 2, 5, 3),
+            Cell("pure-attn-bs128", 2, 5, 2),
+            Cell("gdn-27b", 1, 2, 0),
+        ]
+    elif name == "full":
+        for base in geometry.PRESETS:
+            for dtype in ("", "@float16"):
+                heavy = base == "gdn-27b"
+                shapes = [(1, 5, 0), (1, 5, 2), (2, 5, 3), (2, 3, 0)]
+                if heavy:  # 6.5 MB per block and layer: fewer chunks, same coverage
+                    shapes = [(1, 5, 2), (2, 3, 3)]
+                for cb, nc, skip in shapes:
+                    cells.append(Cell(base + dtype, cb, nc, skip))
+            cells.append(Cell(base, 1, 2, 0, ids="identity"))
+    else:
+        raise ValueError(f"unknown matrix {name!r} (fast|full)")
+    return [replace(c, path=path) for c in cells]
+
+
+# ---------------------------------------------------------------------------
+# Fakes for the server context (internals notes §4.3)
+# ---------------------------------------------------------------------------
+
+class _Wrapper:
+    """Stands in for CudaIPCWrapper / CpuShmTensorWrapper."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def to_tensor(self):
+        return self.t
+
+
+class _FakeEventBus:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def publish(self, event) -> None:
+        self.events.append(str(getattr(event, "event_type", event)))
+
+    def publish_on_stream(self, stream, event) -> None:  # noqa: ARG002
+        self.events.append(str(getattr(event, "event_type", event)))
+
+    def has_subscribers(self, event_type) -> bool:  # noqa: ARG002
+        return False
+
+
+class FakeStorageManager:
+    """L1 stand-in: real ``TensorMemoryObj`` carved from one uint8 pool.
+
+    ``meta.address`` is the byte offset in the pool and ``raw_data`` the pool
+    slice at that offset, as LMCache's allocators do.  Objects are separated by
+    a canary gap so host-side overruns are visible.
+    """
+
+    GAP = 4096
+    CANARY = 0x5A
+
+    def __init__(self, capacity: int, guards: bool) -> None:
+        import torch  # noqa: PLC0415
+
+        self.pool = torch.full((capacity,), self.CANARY, dtype=torch.uint8)
+        self.guards = guards
+        self.objs: dict = {}
+        self.next = self.GAP
+        self.reserved: list = []
+        self.finish_write_calls = 0
+        self.finish_read_calls = 0
+        self.snapshots: dict = {}
+
+    def reset(self) -> None:
+        self.objs.clear()
+        self.reserved.clear()
+        self.snapshots.clear()
+        self.next = self.GAP
+        self.pool.fill_(self.CANARY)
+
+    def reserve_write(self, keys, layout_desc, mode):
+        import torch  # noqa: PLC0415
+        from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: PLC0415
+
+        from _harness_guards import FrozenMeta, GuardedTensorMemoryObj, snapshot  # noqa: PLC0415
+
+        out = {}
+        for key in keys:
+            if mode == "new" and key in self.objs:
+                continue
+            size = sum(torch.Size(s).numel() * d.itemsize for s, d in zip(layout_desc.shapes, layout_desc.dtypes))
+            addr = self.next
+            if addr + size + self.GAP > self.pool.numel():
+                raise MemoryError("fake storage pool exhausted")
+            self.next = (addr + size + self.GAP + 255) // 256 * 256
+            meta_cls = FrozenMeta if self.guards else MemoryObjMetadata
+            obj_cls = GuardedTensorMemoryObj if self.guards else TensorMemoryObj
+            meta = meta_cls(shape=torch.Size(layout_desc.shapes[0]), dtype=layout_desc.dtypes[0], address=addr,
+                            phy_size=size, ref_count=1, shapes=[torch.Size(s) for s in layout_desc.shapes],
+                            dtypes=list(layout_desc.dtypes))
+            obj = obj_cls(self.pool[addr:addr + size], meta, None)
+            if self.guards:
+                meta.freeze()
+                obj.freeze()
+                self.snapshots[key] = snapshot(obj)
+            self.objs[key] = obj
+            self.reserved.append(key)
+            out[key] = obj
+        return out
+
+    @contextlib.contextmanager
+    def read_prefetched_results(self, keys):
+        if all(k in self.objs for k in keys):
+            yield [self.objs[k] for k in keys]
+        else:
+            yield None
+
+    def finish_write(self, keys) -> None:
+        self.finish_write_calls += 1
+
+    def finish_read_prefetched(self, keys, extra_count: int = 0) -> None:  # noqa: ARG002
+        self.finish_read_calls += 1
+
+    def canary_damage(self) -> int:
+        """Bytes outside every object that are no longer the canary."""
+        spans = sorted((o.meta.address, o.meta.address + o.meta.phy_size) for o in self.objs.values())
+        damage, pos = 0, 0
+        for start, end in spans + [(self.pool.numel(), self.pool.numel())]:
+            gap = self.pool[pos:start]
+            if gap.numel():
+                damage += int((gap != self.CANARY).count_nonzero())
+            pos = max(pos, end)
+        return damage
+
+
+def _fake_server_context(chunk_size: int, sm: FakeStorageManager):
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from lmcache.v1.distributed.api import ObjectKey  # noqa: PLC0415
+    from lmcache.v1.multiprocess.engine_context import LayoutDescRegistry  # noqa: PLC0415
+
+    def resolve_obj_keys(key, gids):
+        n = (key.end - key.start) // chunk_size
+        out = []
+        for g in gids:
+            keys = []
+            for i in range(n):
+                toks = key.token_ids[: key.start + (i + 1) * chunk_size]
+                h = hashlib.sha256(repr(toks).encode()).digest()[:16]
+                keys.append(ObjectKey(chunk_hash=h, model_name=key.model_name, kv_rank=key.worker_id or 0,
+                                      object_group_id=g))
+            out.append(keys)
+        return out
+
+    return SimpleNamespace(chunk_size=chunk_size, separate_object_groups=False, full_sw_kv=False,
+                           storage_manager=sm, layout_desc_registry=LayoutDescRegistry(),
+                           event_bus=_FakeEventBus(), resolve_obj_keys=resolve_obj_keys)
+
+
+# ---------------------------------------------------------------------------
+# Analysis helpers
+# ---------------------------------------------------------------------------
+
+def _rows(t, kind: str, geo):
+    """uint8 view ``(pages, rows_per_page, row_bytes)`` of one registered layer."""
+    import torch  # noqa: PLC0415
+
+    u8 = t.contiguous().view(-1).view(torch.uint8)
+    if kind == "fa":
+        row = 2 * geo.head_size * geo.itemsize
+        return u8.view(-1, geo.num_kv_heads * geo.kernel_page, row)
+    row = geo.gdn_block_bytes // geo.tokens_per_block
+    return u8.view(-1, geo.tokens_per_block, row)
+
+
+def _wide(rows):
+    """Same rows viewed as int64 words (rows are multiples of 8 bytes): 8x fewer compares."""
+    import torch  # noqa: PLC0415
+
+    return rows.view(torch.int64) if rows.shape[-1] % 8 == 0 else rows
+
+
+def expected_fa_segment(src_layers, geo, block_ids, rule: str):
+    """Expected FA segment bytes (uint8, flat) of one chunk under ``rule``.
+
+    ``pass-major`` (the patched format): ``k`` page images; image ``j`` is
+    ``(1, num_fa_layers, C/k, H*2D)`` holding, for every logical block ``L`` of
+    the chunk in chunk order, the ``P`` slots of kernel page ``L*k + j``.
+    ``pristine``: 0.5.3's 1/k object -- one image whose block ``b`` rows come
+    from kernel page ``L_b`` (the logical id used as a kernel page id).
+    """
+    import torch  # noqa: PLC0415
+
+    k = geo.k
+    passes = range(k) if rule == "pass-major" else [None]
+    images = []
+    for j in passes:
+        pages = [L * k + j if j is not None else L for L in block_ids]
+        per_layer = []
+        for t in src_layers:  # (nb*k, H, P, 2D)
+            sel = t[pages]  # (b, H, P, 2D)
+            per_layer.append(sel.permute(0, 2, 1, 3).reshape(len(pages) * geo.kernel_page, -1))
+        images.append(torch.stack(per_layer).contiguous().view(-1).view(torch.uint8))
+    return torch.cat(images)
+
+
+def expected_gdn_segment(src_layers, block_ids):
+    """Expected GDN segment: ``(1, nl_gdn, C, row/N)``, blocks in chunk order."""
+    import torch  # noqa: PLC0415
+
+    per_layer = [t[block_ids].reshape(-1, t.shape[-1]) for t in src_layers]  # post-edit (nb, 1, N, w)
+    return torch.stack(per_layer).contiguous().view(-1).view(torch.uint8)
+
+
+def _sha(t) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+def _lmcache_info() -> dict:
+    import lmcache  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: PLC0415
+
+    root = Path(lmcache.__file__).resolve().parent.parent
+    files = {}
+    for rel in TARGET_FILES:
+        p = root / rel
+        files[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.exists() else None
+    version = None
+    for dist in root.glob("lmcache-*.dist-info"):
+        version = dist.name[len("lmcache-"):-len(".dist-info")]
+    return {"root": str(root), "version": version, "files_sha256": files,
+            "torch": torch.__version__, "torch_device_type": getattr(lmcache, "torch_device_type", None),
+            "native_object_group_transfer": bool(ldt._HAS_NATIVE_OBJECT_GROUP_TRANSFER)}
+
+
+# ---------------------------------------------------------------------------
+# One cell
+# ---------------------------------------------------------------------------
+
+@dataclass
+class Options:
+    guards: bool = True
+    reps: int = 1
+    hashes: bool = True
+    dump_dir: str | None = None
+    inject: str | None = None  # guard self-test: meta-write | used-size | address-skew
+
+
+@contextlib.contextmanager
+def _inject_fault(kind: str | None):
+    """Deliberately broken staging (Python path, D2H) to prove the guards fire.
+
+    ``meta-write``: writes the base object's ``meta.address`` (what a naive pager
+    does); ``used-size``: narrows the base with ``set_used_size``;
+    ``address-skew``: hands the copy helper a view whose ``meta.address`` is 64
+    bytes off its ``data_ptr`` (a pager that moved the address but not the pointer).
+    """
+    if not kind:
+        yield
+        return
+    import dataclasses  # noqa: PLC0415
+
+    from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: PLC0415
+
+    orig = ldt.lmcache_memcpy_async_d2h
+
+    class _Skewed:
+        def __init__(self, base):
+            self._base = base
+            self.meta = dataclasses.replace(base.meta, address=base.meta.address + 64)
+
+        def __getattr__(self, name):
+            return getattr(self._base, name)
+
+    def d2h(gpu_buffer, memory_obj):
+        if kind == "meta-write":
+            memory_obj.meta.address = memory_obj.meta.address
+        elif kind == "used-size":
+            memory_obj.set_used_size(memory_obj.get_size())
+        elif kind == "address-skew":
+            memory_obj = _Skewed(memory_obj)
+        else:
+            raise ValueError(f"unknown fault {kind!r}")
+        return orig(gpu_buffer, memory_obj)
+
+    ldt.lmcache_memcpy_async_d2h = d2h
+    try:
+        yield
+    finally:
+        ldt.lmcache_memcpy_async_d2h = orig
+
+
+def _pick_ids(rng: random.Random, nb: int, m: int, avoid: list[int] | None = None) -> list[int]:
+    """``m`` distinct ids in random order from ``1..nb-1`` (vLLM's block 0 is its null
+    block and never backs a request), differing position-wise from ``avoid``."""
+    for _ in range(1000):
+        ids = rng.sample(range(1, nb), m)
+        if avoid is None or all(a != b for a, b in zip(ids, avoid)):
+            return ids
+    raise RuntimeError("could not draw distinct block ids")
+
+
+def run_cell(cell: Cell, opts: Options) -> dict:
+    import torch  # noqa: PLC0415
+    from lmcache.utils import EngineType  # noqa: PLC0415
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey  # noqa: PLC0415
+    from lmcache.v1.multiprocess.group_view import EngineGroupInfo  # noqa: PLC0415
+    from lmcache.v1.multiprocess.modules.lmcache_driven_transfer import (  # noqa: PLC0415
+        LMCacheDrivenTransferModule,
+    )
+
+    import _harness_guards as guards  # noqa: PLC0415
+    from _harness_native import native_emulation  # noqa: PLC0415
+
+    geo = geometry.preset(cell.preset)
+    N, k, P = geo.tokens_per_block, geo.k, geo.kernel_page
+    C = cell.chunk_blocks * N
+    m = cell.num_chunks * cell.chunk_blocks
+    T = cell.num_chunks * C
+    if not 0 <= cell.skip_blocks <= m:
+        raise ValueError("skip_blocks out of range")
+    rng = random.Random(cell.seed)
+
+    kinds = geo.layer_kinds
+    fa_layers = [i for i, x in enumerate(kinds) if x == "fa"]
+    gdn_layers = [i for i, x in enumerate(kinds) if x == "gdn"]
+    present = [x for x in ("gdn", "fa") if (gdn_layers if x == "gdn" else fa_layers)]
+
+    if cell.ids == "identity":
+        nb = m + 2
+        src_ids = {x: list(range(m)) for x in present}
+        dst_ids = {x: list(range(m)) for x in present}
+    elif cell.ids == "scattered":
+        nb = m + max(3, m // 2) + 1
+        src_ids = {x: _pick_ids(rng, nb, m) for x in present}
+        dst_ids = {x: _pick_ids(rng, nb, m, avoid=src_ids[x]) for x in present}
+    else:
+        raise ValueError(f"unknown ids mode {cell.ids!r}")
+
+    src = geometry.build_kv_caches(geo, nb, seed=cell.seed)
+    dst = geometry.build_kv_caches(geo, nb, fill=POISON)
+    src_before = [t.clone() for t in src.raw]
+
+    full_fa_seg = len(fa_layers) * C * geo.num_kv_heads * 2 * geo.head_size * geo.itemsize
+    full_gdn_seg = len(gdn_layers) * C * (geo.gdn_block_bytes // N)
+    full_obj = full_fa_seg + full_gdn_seg
+    sm = FakeStorageManager(cell.num_chunks * (full_obj + 2 * FakeStorageManager.GAP + 256) + 2 * FakeStorageManager.GAP,
+                            opts.guards)
+    ctx = _fake_server_context(C, sm)
+    guards.VIOLATIONS.clear()
+    recorder = guards.CopyRecorder()
+    result: dict[str, Any] = {"cell": asdict(cell), "name": cell.name, "geometry": geo.to_json(),
+                              "C": C, "num_logical_blocks_requested": m, "num_logical_blocks_cache": nb,
+                              "ids": {"store": src_ids, "retrieve": dst_ids}}
+
+    mod = LMCacheDrivenTransferModule(ctx)
+    try:
+        infos = [EngineGroupInfo(engine_group_id=i["engine_group_id"], layer_indices=tuple(i["layer_indices"]),
+                                 tokens_per_block=i["tokens_per_block"]) for i in geometry.engine_group_infos(geo)]
+        hints = {"kv_layout": "HND"}
+        mod.register_kv_cache(1, [_Wrapper(t) for t in src.tensors], MODEL, 1, EngineType.VLLM, hints, infos)
+        mod.register_kv_cache(2, [_Wrapper(t) for t in dst.tensors], MODEL, 1, EngineType.VLLM, hints, infos)
+        cc = mod.context_entries_snapshot()[1].cache_context
+        mgr = cc.kv_layer_groups_manager
+        kg_kind = []
+        kg_info = []
+        for kg in mgr.kernel_groups:
+            layers = list(kg.layer_indices)
+            kind = "fa" if set(layers) <= set(fa_layers) else "gdn" if set(layers) <= set(gdn_layers) else "mixed"
+            kg_kind.append(kind)
+            kg_info.append({"kind": kind, "layers": layers, "tokens_per_block": kg.tokens_per_block,
+                            "slots_per_block": kg.slots_per_block, "bs": int(kg.shape_desc.bs),
+                            "nb": int(kg.shape_desc.nb), "fmt": str(kg.engine_kv_format)})
+        result["kernel_groups"] = kg_info
+        if "mixed" in kg_kind:
+            raise RuntimeError(f"unexpected kernel grouping: {kg_info}")
+        if mgr.num_object_groups != 1:
+            raise RuntimeError(f"expected one object group, got {mgr.num_object_groups}")
+        og_kgs = list(mgr.object_groups[0].kernel_group_indices)
+        registry = ctx.layout_desc_registry.find(MODEL, 1)
+        result["registry_layout"] = {"shapes": [list(s) for s in registry.shapes],
+                                     "dtypes": [str(d) for d in registry.dtypes]} if registry else None
+
+        store_lists = [src_ids[x] for x in kg_kind]
+        retrieve_lists = [dst_ids[x] for x in kg_kind]
+        store_key = IPCCacheServerKey(model_name=MODEL, world_size=1, worker_id=0, token_ids=tuple(range(T)),
+                                      start=0, end=T, request_id="rt-store")
+        retrieve_key = IPCCacheServerKey(model_name=MODEL, world_size=1, worker_id=0, token_ids=tuple(range(T)),
+                                         start=0, end=T, request_id="rt-retrieve")
+        skip_tokens = cell.skip_blocks * N
+
+        path_cm = native_emulation(recorder.record if opts.guards else None) if cell.path == "native" \
+            else contextlib.nullcontext()
+        rec_cm = recorder.wrap_python_path() if opts.guards else contextlib.nullcontext()
+        store_s, retrieve_s = [], []
+        native_stats = None
+        with path_cm as native_stats, rec_cm, _inject_fault(opts.inject):
+            for rep in range(max(1, opts.reps)):
+                if rep:
+                    sm.reset()
+                    recorder.records.clear()
+                t0 = time.perf_counter()
+                _, store_ok = mod.store(store_key, 1, [list(x) for x in store_lists], b"stub_ipc_handle")
+                t1 = time.perf_counter()
+                _, retrieve_ok = mod.retrieve(retrieve_key, 2, [list(x) for x in retrieve_lists], b"stub_ipc_handle",
+                                              skip_first_n_tokens=skip_tokens)
+                t2 = time.perf_counter()
+                store_s.append(t1 - t0)
+                retrieve_s.append(t2 - t1)
+        result["store_ok"], result["retrieve_ok"] = bool(store_ok), bool(retrieve_ok)
+        if native_stats is not None:
+            result["native"] = {"calls": native_stats.calls, "steps": native_stats.steps,
+                                "launches": native_stats.launches, "staging_copies": native_stats.staging_copies}
+        elif cell.path == "native":
+            result["native"] = None
+
+        # ---- restore / foreign-write analysis, per kind ----
+        groups: dict[str, dict] = {}
+        req_pos = list(range(cell.skip_blocks, m))
+        poison_word = int.from_bytes(bytes([POISON]) * 8, "little", signed=True)
+        skip_pos = list(range(cell.skip_blocks))
+        for kind in present:
+            layers = fa_layers if kind == "fa" else gdn_layers
+            ppb = k if kind == "fa" else 1
+            requested = restored = foreign = skipped_written = misplaced = 0
+            row_bytes = None
+            for li in layers:
+                s_rows = _wide(_rows(src.raw[li], kind, geo))
+                d_rows = _wide(_rows(dst.raw[li], kind, geo))
+                row_bytes = _rows(src.raw[li], kind, geo).shape[-1]
+                pv = poison_word if d_rows.dtype == torch.int64 else POISON
+                d_pages = [dst_ids[kind][p] * ppb + j for p in req_pos for j in range(ppb)]
+                s_pages = [src_ids[kind][p] * ppb + j for p in req_pos for j in range(ppb)]
+                sk_pages = [dst_ids[kind][p] * ppb + j for p in skip_pos for j in range(ppb)]
+                requested += len(d_pages) * s_rows.shape[1] * row_bytes
+                if d_pages:
+                    d_sel = d_rows[d_pages]
+                    eq = (d_sel == s_rows[s_pages]).all(-1)
+                    restored += int(eq.count_nonzero()) * row_bytes
+                    # written (not poison) but wrong: misplaced bytes inside the requested blocks
+                    misplaced += int(((d_sel != pv).any(-1) & ~eq).count_nonzero()) * row_bytes
+                changed = (d_rows != pv).any(-1)  # (pages, rows)
+                allowed = torch.zeros(d_rows.shape[0], dtype=torch.bool)
+                allowed[d_pages] = True
+                skipped = torch.zeros(d_rows.shape[0], dtype=torch.bool)
+                if sk_pages:
+                    skipped[sk_pages] = True
+                foreign += int(changed[~(allowed | skipped)].count_nonzero()) * row_bytes
+                skipped_written += int(changed[skipped].count_nonzero()) * row_bytes
+            groups[kind] = {"k": ppb, "layers": layers, "requested_bytes": requested, "restored_bytes": restored,
+                            "fraction": (restored / requested) if requested else 1.0,
+                            "foreign_bytes": foreign, "skipped_prefix_written_bytes": skipped_written,
+                            "misplaced_bytes": misplaced,
+                            "row_bytes": row_bytes}
+        src_mutated = sum(0 if torch.equal(a, b) else
+                          int((a.view(-1).view(torch.uint8) != b.view(-1).view(torch.uint8)).count_nonzero())
+                          for a, b in zip(src.raw, src_before))
+
+        # ---- host objects ----
+        keys = ctx.resolve_obj_keys(store_key, [0])[0]
+        objects = []
+        seg_info = None
+        fa_seg = None
+        for ci, key in enumerate(keys):
+            obj = sm.objs.get(key)
+            if obj is None:
+                objects.append(None)
+                continue
+            raw = obj.raw_data[:obj.get_size()]
+            segs = []
+            off = 0
+            for kgi, shape, dtype in zip(og_kgs, obj.meta.shapes, obj.meta.dtypes):
+                nbytes = torch.Size(shape).numel() * dtype.itemsize
+                kind = kg_kind[kgi]
+                full = full_fa_seg if kind == "fa" else full_gdn_seg
+                seg = {"kernel_group": kgi, "kind": kind, "offset": off, "nbytes": nbytes, "shape": list(shape),
+                       "dtype": str(dtype), "full_nbytes": full, "ratio": nbytes / full if full else None}
+                if opts.hashes:
+                    seg["sha256"] = _sha(raw[off:off + nbytes])
+                chunk_ids = src_ids[kind][ci * cell.chunk_blocks:(ci + 1) * cell.chunk_blocks]
+                seg_bytes = raw[off:off + nbytes]
+                if kind == "fa":
+                    fa_seg = (off, nbytes)
+                    src_fa = [src.raw[i] for i in fa_layers]
+                    matches = []
+                    for rule in ("pass-major", "pristine"):
+                        exp = expected_fa_segment(src_fa, geo, chunk_ids, rule)
+                        if exp.numel() == nbytes and torch.equal(exp, seg_bytes):
+                            matches.append(rule)
+                    seg["layout_matches"] = matches
+                else:
+                    exp = expected_gdn_segment([src.tensors[i] for i in gdn_layers], chunk_ids)
+                    seg["layout_matches"] = ["gdn-rows"] if exp.numel() == nbytes and torch.equal(exp, seg_bytes) \
+                        else []
+                segs.append(seg)
+                off += nbytes
+            seg_info = [(s["kind"], s["offset"], s["nbytes"]) for s in segs]
+            objects.append({"chunk": ci, "size": obj.get_size(), "full_size": full_obj, "address": obj.meta.address,
+                            "sha256": _sha(raw) if opts.hashes else None, "segments": segs})
+        result["objects"] = objects
+        ok_objs = [o for o in objects if o]
+        fa_segs = [s for o in ok_objs for s in o["segments"] if s["kind"] == "fa"]
+        gdn_segs = [s for o in ok_objs for s in o["segments"] if s["kind"] == "gdn"]
+        for kind, segs in (("fa", fa_segs), ("gdn", gdn_segs)):
+            if kind in groups:
+                groups[kind]["object_segment_bytes"] = segs[0]["nbytes"] if segs else None
+                groups[kind]["object_full_bytes"] = segs[0]["full_nbytes"] if segs else None
+                groups[kind]["object_ratio"] = segs[0]["ratio"] if segs else None
+                groups[kind]["object_layouts"] = sorted({r for s in segs for r in s["layout_matches"]}) \
+                    if segs and all(s["layout_matches"] == segs[0]["layout_matches"] for s in segs) else \
+                    ["inconsistent"] if segs else []
+        result["groups"] = groups
+        result["object_ratio"] = (ok_objs[0]["size"] / full_obj) if ok_objs else None
+        if registry is not None and ok_objs:
+            reg_size = sum(torch.Size(s).numel() * d.itemsize for s, d in zip(registry.shapes, registry.dtypes))
+            result["registry_object_bytes"] = reg_size
+        result["src_mutated_bytes"] = src_mutated
+        result["host_canary_damage_bytes"] = sm.canary_damage()
+
+        # ---- guards ----
+        g: dict[str, Any] = {"enabled": opts.guards}
+        if opts.guards:
+            snaps_equal = all(guards.snapshot(sm.objs[key]) == snap for key, snap in sm.snapshots.items())
+            g["frozen_meta"] = {"violations": list(guards.VIOLATIONS), "snapshots_equal": snaps_equal,
+                                "ok": not guards.VIOLATIONS and snaps_equal}
+            obj_desc = []
+            bs = cc.max_batch_size
+            for ci, key in enumerate(keys):
+                obj = sm.objs.get(key)
+                batch_end_tok = min((ci // bs + 1) * bs, cell.num_chunks) * C
+                obj_desc.append({"ptr": obj.data_ptr if obj else -1, "address": obj.meta.address if obj else -1,
+                                 "size": obj.get_size() if obj else 0, "copied": obj is not None,
+                                 "copied_h2d": obj is not None and batch_end_tok > skip_tokens})
+            page = full_fa_seg // k if fa_seg else None
+            d2h = recorder.analyse("d2h", obj_desc, fa_seg, page, k)
+            h2d = recorder.analyse("h2d", [dict(o, copied=o["copied_h2d"]) for o in obj_desc], fa_seg, page, k)
+            g["copies"] = {"d2h": d2h, "h2d": h2d, "ok": d2h["ok"] and h2d["ok"],
+                           "paths_seen": sorted({r["path"] for r in recorder.records})}
+            g["ok"] = g["frozen_meta"]["ok"] and g["copies"]["ok"]
+        result["guards"] = g
+        result["segments_layout"] = seg_info
+        fa_bytes = (full_fa_seg * cell.num_chunks)
+        result["timings"] = {"store_s": store_s, "retrieve_s": retrieve_s,
+                             "store_retrieve_s": [a + b for a, b in zip(store_s, retrieve_s)],
+                             "fa_bytes_per_rep": fa_bytes,
+                             "object_bytes_per_rep": sum(o["size"] for o in ok_objs)}
+
+        # ---- dump for out-of-process checks ----
+        if opts.dump_dir:
+            _dump(Path(opts.dump_dir), cell, geo, src, sm, keys, result)
+
+        # ---- verdict ----
+        reasons = []
+        if not result["store_ok"]:
+            reasons.append("store failed")
+        if not result["retrieve_ok"]:
+            reasons.append("retrieve failed")
+        for kind, gr in groups.items():
+            if gr["fraction"] != 1.0:
+                reasons.append(f"{kind}: restored {gr['fraction']:.4f} of requested bytes")
+            if gr["foreign_bytes"]:
+                reasons.append(f"{kind}: {gr['foreign_bytes']} foreign bytes written")
+            if gr["skipped_prefix_written_bytes"]:
+                reasons.append(f"{kind}: {gr['skipped_prefix_written_bytes']} bytes written into the skipped prefix")
+            if gr.get("object_ratio") != 1.0:
+                reasons.append(f"{kind}: host object segment is {gr.get('object_ratio')} of full size")
+        if src_mutated:
+            reasons.append(f"store mutated {src_mutated} source bytes")
+        if result["host_canary_damage_bytes"]:
+            reasons.append(f"{result['host_canary_damage_bytes']} host bytes written outside objects")
+        if opts.guards and not g["ok"]:
+            reasons.append("guard failure: " + "; ".join(g["frozen_meta"]["violations"][:3] +
+                                                          g["copies"]["d2h"]["problems"][:3] +
+                                                          g["copies"]["h2d"]["problems"][:3]))
+        result["verdict"] = {"pass": not reasons, "reasons": reasons}
+    finally:
+        mod.close()
+    return result
+
+
+def _dump(root: Path, cell: Cell, geo, src, sm, keys, result) -> None:
+    """Raw bytes for out-of-process format checks (tests/verify)."""
+    d = root / cell.name.replace("/", "_")
+    d.mkdir(parents=True, exist_ok=True)
+    for li, t in enumerate(src.raw):
+        (d / f"src_layer{li}.bin").write_bytes(t.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
+    for ci, key in enumerate(keys):
+        obj = sm.objs.get(key)
+        if obj is not None:
+            (d / f"object{ci}.bin").write_bytes(obj.raw_data[:obj.get_size()].numpy().tobytes())
+    manifest = {"cell": asdict(cell), "geometry": geo.to_json(), "layer_kinds": list(geo.layer_kinds),
+                "num_logical_blocks_cache": result["num_logical_blocks_cache"], "C": result["C"],
+                "ids": result["ids"], "segments": result["segments_layout"]}
+    (d / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    result["dump"] = str(d)
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+def run(cells: list[Cell], opts: Options) -> dict:
+    doc: dict[str, Any] = {"harness": "verify/roundtrip.py", "format": 1, "lmcache": _lmcache_info(), "cells": []}
+    for cell in cells:
+        t0 = time.perf_counter()
+        try:
+            res = run_cell(cell, opts)
+        except Exception as exc:  # a harness error is reported per cell, not hidden
+            res = {"cell": asdict(cell), "name": cell.name, "error": f"{type(exc).__name__}: {exc}",
+                   "traceback": traceback.format_exc(), "verdict": {"pass": False, "reasons": ["harness error"]}}
+        res["wall_s"] = time.perf_counter() - t0
+        doc["cells"].append(res)
+    doc["summary"] = {
+        "cells": len(doc["cells"]),
+        "passed": sum(1 for c in doc["cells"] if c["verdict"]["pass"]),
+        "errors": sum(1 for c in doc["cells"] if "error" in c),
+    }
+    return doc
+
+
+def _table(doc: dict) -> str:
+    lines = [f"lmcache {doc['lmcache']['version']} at {doc['lmcache']['root']}"]
+    hdr = f"{'cell':58} {'FA frac':>8} {'FA foreign':>11} {'FA obj':>7} {'GDN frac':>8} {'guards':>6} verdict"
+    lines.append(hdr)
+    for c in doc["cells"]:
+        if "error" in c:
+            lines.append(f"{c['name']:58} ERROR {c['error']}")
+            continue
+        fa, gdn = c["groups"].get("fa", {}), c["groups"].get("gdn", {})
+        g = c["guards"]
+        lines.append(f"{c['name']:58} {fa.get('fraction', float('nan')):8.4f} {fa.get('foreign_bytes', 0):11d} "
+                     f"{fa.get('object_ratio') or 0:7.4f} {gdn.get('fraction', float('nan')):8.4f} "
+                     f"{('ok' if g.get('ok') else 'FAIL') if g.get('enabled') else '-':>6} "
+                     f"{'PASS' if c['verdict']['pass'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the JSON report on stdout")
+    ap.add_argument("--out", help="also write the JSON report to this file")
+    ap.add_argument("--matrix", choices=["fast", "full"], help="run a predefined matrix of cells")
+    ap.add_argument("--cell", action="append", default=[], help="key=value,... (Cell fields); repeatable")
+    ap.add_argument("--preset", help="geometry preset NAME[@dtype] for a single cell")
+    ap.add_argument("--chunk-blocks", type=int, default=1, help="chunk size in logical blocks (C = n*N)")
+    ap.add_argument("--chunks", type=int, default=3, help="chunks per request")
+    ap.add_argument("--skip-blocks", type=int, default=0, help="logical blocks skipped at retrieve")
+    ap.add_argument("--ids", choices=["scattered", "identity"], default="scattered")
+    ap.add_argument("--path", choices=["python", "native"], default="python")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--reps", type=int, default=1, help="store+retrieve repetitions per cell (timings)")
+    ap.add_argument("--no-guards", action="store_true", help="disable guards (for timing)")
+    ap.add_argument("--no-hashes", action="store_true", help="skip per-object sha256")
+    ap.add_argument("--dump-dir", help="write source tensors / objects / manifest per cell here")
+    ap.add_argument("--inject", choices=["meta-write", "used-size", "address-skew"],
+                    help="guard self-test: break the D2H staging on purpose")
+    args = ap.parse_args(argv)
+
+    cells: list[Cell] = []
+    if args.matrix:
+        cells += matrix(args.matrix, args.path)
+    cells += [Cell.parse(text, path=args.path, seed=args.seed) for text in args.cell]
+    if args.preset or not cells:
+        cells.append(Cell(args.preset or "qwen35-0.8b", args.chunk_blocks, args.chunks, args.skip_blocks,
+                          ids=args.ids, path=args.path, seed=args.seed))
+    opts = Options(guards=not args.no_guards, reps=args.reps, hashes=not args.no_hashes, dump_dir=args.dump_dir,
+                   inject=args.inject)
+
+    # Keep stdout clean for the JSON: everything LMCache prints goes to stderr.
+    real_stdout = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        doc = run(cells, opts)
+    except Exception:
+        traceback.print_exc()
+        return 2
+    text = json.dumps(doc, indent=1, default=str)
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.json:
+        real_stdout.write(text + "\n")
+    else:
+        real_stdout.write(_table(doc) + "\n")
+    real_stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
