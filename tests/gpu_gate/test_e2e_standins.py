@@ -1,0 +1,181 @@
+"""``verify/gpu_gate.py`` end to end as a subprocess, against stand-in servers.
+
+Every branch of the run is driven here: a passing run (with a negative control
+that fails as it must), a restore that returns wrong keys, an unpatched server
+as the main arm, missing counters, stores that never flush, servers that crash
+or never become ready, an engine that leaks a process or its GPU memory, an
+engine that dies after the restore, the random-weight criterion, and SIGTERM
+to the gate itself.  The ``gate`` fixture fails any test that leaves a process
+behind.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from .conftest import marked_processes
+
+
+def _check(result, status):
+    assert result is not None, "no result JSON"
+    assert result["verdict"]["status"] == status, json.dumps(result["verdict"], indent=1)[:3000]
+
+
+def test_pass_with_negative_control(gate):
+    res, result = gate.run(control_lmcache="--fake-mode pristine")
+    _check(result, "pass")
+    assert res.returncode == 0, res.stderr[-2000:]
+    names = [c["name"] for c in result["verdict"]["checks"]]
+    for n in ("restore_answer", "external_hits", "lmcache_l2_read", "ttft_below_cold", "engine_healthy_after",
+              "stores_flushed", "fix_log_subpaged", "placement_vs_observed_geometry", "negative_control_fails"):
+        assert n in names
+    assert result["criterion"] == "keys"
+    for row in result["summary"]:
+        assert row["restore"]["keys_exact"] and row["restore"]["external_hits"] >= 0.97 * row["prompt_tokens"]
+        assert row["control_restore"]["keys_exact"] is False
+    # restart hygiene was verified and recorded
+    stops = [s for s in result["stops"] if s["process"].startswith("vllm-")]
+    assert [s["process"] for s in stops] == ["vllm-cold", "vllm-store", "vllm-restore", "vllm-control_store",
+                                             "vllm-control_restore"]
+    assert all(s["gpu"]["checked"] and s["gpu"]["used_mib"] <= s["gpu"]["limit_mib"] for s in stops)
+    states = [t["state"] for t in result["trace"] if t["what"] == "enter"]
+    assert states[0] == "PREFLIGHT" and states[-1] == "VERDICT" and "ABORT" not in states
+    assert result["geometry"]["lmcache_logs"]["restore"]["sub_paged_groups"][0]["k"] == 4
+    assert result["plot"]["written"] is False and "matplotlib" in result["plot"]["note"]
+    assert result["environment"]["target"]["packages"]["vllm"] is None
+    assert (gate.tmp / "work" / "logs" / "lmcache-restore.log").exists()
+
+
+def test_corrupt_restore_fails(gate):
+    res, result = gate.run(vllm="--fake-mode corrupt")
+    _check(result, "fail")
+    assert res.returncode == 20
+    assert any(r.startswith("restore_answer") for r in result["verdict"]["reasons"])
+
+
+def test_unpatched_server_as_main_arm_fails(gate):
+    _, result = gate.run(lmcache="--fake-mode pristine")
+    _check(result, "fail")
+    failed = {c["name"] for c in result["verdict"]["checks"] if c["ok"] is False}
+    assert {"restore_answer", "fix_log_subpaged"} <= failed
+
+
+def test_negative_control_that_passes_makes_the_gate_fail(gate):
+    _, result = gate.run(control_lmcache="--fake-mode patched")
+    _check(result, "fail")
+    assert any("cannot tell" in r for r in result["verdict"]["reasons"])
+
+
+def test_missing_fix_log_fails(gate):
+    _, result = gate.run(lmcache="--fake-mode nolog")
+    _check(result, "fail")
+    assert any(r.startswith("fix_log_subpaged") for r in result["verdict"]["reasons"])
+
+
+def test_missing_lmcache_counters_fail(gate):
+    _, result = gate.run(lmcache="--fake-mode nometrics")
+    _check(result, "fail")
+    assert any(r.startswith("lmcache_l2_read") for r in result["verdict"]["reasons"])
+
+
+def test_no_external_hits_fails(gate):
+    _, result = gate.run(vllm="--fake-mode nohits")
+    _check(result, "fail")
+    assert any(r.startswith("external_hits") for r in result["verdict"]["reasons"])
+
+
+def test_unflushed_stores_abort(gate):
+    res, result = gate.run(lmcache="--fake-mode noflush")
+    _check(result, "error")
+    assert res.returncode == 22
+    assert result["abort"]["state"] == "STORE_FLUSH"
+
+
+@pytest.mark.parametrize("which,mode,state", [("lmcache", "--fake-mode crash", "STORE_UP"),
+                                              ("vllm", "--fake-mode crash", "COLD_UP")])
+def test_startup_crash_aborts_and_cleans_up(gate, which, mode, state):
+    _, result = gate.run(**{which: mode})
+    _check(result, "error")
+    assert result["abort"]["state"] == state
+    assert "exited with exit code 3" in result["abort"]["error"]
+
+
+def test_readiness_timeout_aborts(gate):
+    _, result = gate.run("--vllm-start-timeout", "2", vllm="--fake-mode hang")
+    _check(result, "error")
+    assert result["abort"]["type"] == "ReadinessTimeout"
+
+
+def test_leaky_engine_core_is_found_and_killed(gate):
+    _, result = gate.run(vllm="--fake-mode leaky")
+    _check(result, "pass")
+    assert any("outlived the process group" in w for w in result["warnings"])
+    assert all(s.get("leftovers") for s in result["stops"] if s["process"].startswith("vllm-"))
+
+
+def test_gpu_memory_not_released_aborts(gate):
+    _, result = gate.run(vllm="--fake-mode gpu-leak")
+    _check(result, "error")
+    assert result["abort"]["state"] == "COLD_DOWN" and "GPU memory not released" in result["abort"]["error"]
+
+
+def test_sigterm_resistant_engine_gets_sigkill(gate):
+    _, result = gate.run(vllm="--fake-mode slowstop")
+    _check(result, "pass")
+    assert {s["signal"] for s in result["stops"] if s["process"].startswith("vllm-")} == {"SIGKILL"}
+
+
+def test_engine_unhealthy_after_restore_fails(gate):
+    # warm-up + 2 prompts per arm: the restore engine dies after its 3rd completion
+    _, result = gate.run(control_lmcache=None, vllm="--fake-mode unhealthy-after=3")
+    _check(result, "fail")
+    assert any(r.startswith("engine_healthy_after") for r in result["verdict"]["reasons"])
+
+
+def test_nvidia_smi_failure_aborts_in_preflight(gate):
+    _, result = gate.run(env=gate.env(FAKE_SMI_FAIL="1"))
+    _check(result, "error")
+    assert result["abort"]["state"] == "PREFLIGHT"
+
+
+def test_tiny_model_identical_criterion(gate):
+    gate.tiny()
+    _, result = gate.run(control_lmcache="--fake-mode pristine")
+    _check(result, "pass")
+    assert result["criterion"] == "identical"
+    assert "token_ids" in result["arms"]["restore"]["1024"]
+
+
+def test_tiny_model_with_unpatched_server_fails(gate):
+    gate.tiny()
+    _, result = gate.run(lmcache="--fake-mode pristine")
+    _check(result, "fail")
+    assert any("diverges from cold" in r for r in result["verdict"]["reasons"])
+
+
+def test_sigterm_to_gate_cleans_up(gate):
+    p = subprocess.Popen(gate.argv("--vllm-start-timeout", "60", vllm="--fake-mode hang"), env=gate.env(),
+                         cwd=gate.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(marked_processes(gate.tag)) < 3:  # gate + vllm + EngineCore
+        time.sleep(0.1)
+    assert len(marked_processes(gate.tag)) >= 3
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and marked_processes(gate.tag):
+        time.sleep(0.1)
+    assert marked_processes(gate.tag) == []
+
+
+def test_bad_model_dir_and_usage(gate):
+    res, result = gate.run("--model", str(gate.tmp / "missing"))
+    _check(result, "error")
+    assert "config.json" in result["abort"]["error"]
+    res = subprocess.run(gate.argv("--lengths", "x"), capture_output=True, text=True, env=gate.env())
+    assert res.returncode == 2

@@ -1,0 +1,158 @@
+"""Command lines and log facts for the servers the GPU gate runs (stdlib only).
+
+vLLM (0.27.1) is started as ``vllm serve MODEL ...``; the LMCache side through
+the MP connector shipped by the lmcache wheel.  The KV-transfer config keys come
+from ``lmcache/integration/vllm/lmcache_mp_connector.py`` (0.5.3):
+
+* ``kv_connector: "LMCacheMPConnector"``, ``kv_role: "kv_both"``;
+* ``kv_connector_module_path: "lmcache.integration.vllm.lmcache_mp_connector"``:
+  vLLM's factory imports the class from this module directly
+  (``distributed/kv_transfer/kv_connector/factory.py``), so vLLM's in-tree
+  fallback (``LMCacheMPConnectorUpstream``, chosen silently when the import
+  fails or ``LMCACHE_USE_UPSTREAM_MP`` is set) can never be used by accident;
+* ``kv_connector_extra_config``: ``lmcache.mp.host`` (default ``tcp://localhost``),
+  ``lmcache.mp.port`` (default 5555) -- the connector reads them at :622/:625;
+  ``lmcache.mp.server_urls`` is the multi-server alternative;
+  ``lmcache.mp.mq_timeout`` / ``lmcache.mp.heartbeat_interval`` are optional.
+
+``validate_mamba_step_alignment`` (connector :145) refuses a hybrid model in
+align mode unless ``block_size <= max_num_batched_tokens < 2 * block_size``, so
+``--max-num-batched-tokens`` defaults to the expected logical block size.
+
+``lmcache server`` (``lmcache/cli/commands/server.py``) takes ``--host/--port``
+(ZMQ), ``--http-host/--http-port`` (FastAPI: ``/healthcheck``, ``/status``,
+``/metrics``), ``--chunk-size``, ``--l1-size-gb`` and ``--eviction-policy``
+(both required), ``--l2-adapter '{"type": "fs", "base_path": DIR}'``
+(``v1/distributed/l2_adapters/fs_l2_adapter.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+CONNECTOR_MODULE = "lmcache.integration.vllm.lmcache_mp_connector"
+
+
+def default_bin(name: str, python: str | None = None) -> list[str]:
+    """``<dir of the interpreter>/<name>`` if it exists, else ``name`` from PATH."""
+    cand = Path(python or sys.executable).parent / name
+    return [str(cand)] if cand.exists() else [name]
+
+
+def split_cmd(cmd: str | Sequence[str] | None, fallback: list[str]) -> list[str]:
+    if cmd is None:
+        return list(fallback)
+    if isinstance(cmd, str):
+        return shlex.split(cmd)
+    return list(cmd)
+
+
+def kv_transfer_config(host: str, port: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    cfg = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+           "kv_connector_module_path": CONNECTOR_MODULE,
+           "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}", "lmcache.mp.port": port}}
+    if extra:
+        cfg["kv_connector_extra_config"].update(extra)
+    return cfg
+
+
+@dataclass
+class VllmSettings:
+    model: str
+    served_model_name: str = "gate-model"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int = 40960
+    max_num_batched_tokens: int = 544
+    gpu_memory_utilization: float = 0.5
+    tensor_parallel_size: int = 1
+    attention_backend: str | None = "FLASHINFER"
+    gdn_prefill_backend: str | None = "triton"
+    block_size: int | None = None
+    enforce_eager: bool = True
+    seed: int = 0
+    extra_args: tuple[str, ...] = ()
+
+
+def vllm_argv(prefix: Sequence[str], s: VllmSettings, kv_cfg: dict[str, Any] | None) -> list[str]:
+    argv = list(prefix) + [
+        s.model, "--host", s.host, "--port", str(s.port), "--served-model-name", s.served_model_name,
+        "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
+        "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--max-num-seqs", "1",
+        "--gpu-memory-utilization", str(s.gpu_memory_utilization),
+        "--tensor-parallel-size", str(s.tensor_parallel_size), "--seed", str(s.seed),
+        "--generation-config", "vllm",
+    ]
+    if s.tokenizer:
+        argv += ["--tokenizer", s.tokenizer]
+    if s.attention_backend:
+        argv += ["--attention-backend", s.attention_backend]
+    if s.gdn_prefill_backend:
+        argv += ["--gdn-prefill-backend", s.gdn_prefill_backend]
+    if s.block_size:
+        argv += ["--block-size", str(s.block_size)]
+    if s.enforce_eager:
+        argv += ["--enforce-eager"]
+    if kv_cfg is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_cfg, separators=(",", ":"))]
+    return argv + list(s.extra_args)
+
+
+@dataclass
+class LMCacheSettings:
+    host: str = "127.0.0.1"
+    port: int = 5555
+    http_port: int = 8080
+    chunk_size: int = 544
+    l1_size_gb: float = 8.0
+    l2_dir: str = ""
+    extra_args: tuple[str, ...] = ()
+
+
+def lmcache_argv(prefix: Sequence[str], s: LMCacheSettings) -> list[str]:
+    if not s.l2_dir:
+        raise ValueError("the LMCache server needs an L2 directory")
+    return list(prefix) + [
+        "--host", s.host, "--port", str(s.port), "--http-host", s.host, "--http-port", str(s.http_port),
+        "--chunk-size", str(s.chunk_size), "--l1-size-gb", str(s.l1_size_gb), "--eviction-policy", "LRU",
+        "--l2-adapter", json.dumps({"type": "fs", "base_path": s.l2_dir}, separators=(",", ":")),
+    ] + list(s.extra_args)
+
+
+# ---------------------------------------------------------------------------
+# Log facts
+# ---------------------------------------------------------------------------
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+SUBPAGED_RE = re.compile(r"group (\d+): sub-paged, k=(\d+) \(tokens_per_block=(\d+), slots_per_block=(\d+)\)"
+                         r".*\[lmcache-patchtool hybrid-fa\]")
+COMPRESSED_RE = re.compile(r"group (\d+): compressed \(tokens_per_block=(\d+), slots_per_block=(\d+)\)")
+VLLM_BLOCK_RE = re.compile(r"Setting attention block size to (\d+) tokens")
+VLLM_BACKEND_RE = re.compile(r"Using (?:AttentionBackendEnum\.)?([A-Z_0-9]+) (?:attention )?backend")
+VLLM_EXTERNAL_CONNECTOR_RE = re.compile(r"Using external LMCacheMPConnector|Creating v1 connector with name: (\w+)")
+
+
+def lmcache_log_facts(text: str) -> dict[str, Any]:
+    text = _ANSI.sub("", text)
+    sub = [{"group": int(m[0]), "k": int(m[1]), "tokens_per_block": int(m[2]), "slots_per_block": int(m[3])}
+           for m in SUBPAGED_RE.findall(text)]
+    comp = [{"group": int(m[0]), "tokens_per_block": int(m[1]), "slots_per_block": int(m[2])}
+            for m in COMPRESSED_RE.findall(text)]
+    return {"sub_paged_groups": sub, "compressed_groups": comp,
+            "patch_marker_lines": text.count("[lmcache-patchtool hybrid-fa]")}
+
+
+def vllm_log_facts(text: str) -> dict[str, Any]:
+    text = _ANSI.sub("", text)
+    blocks = [int(x) for x in VLLM_BLOCK_RE.findall(text)]
+    backends = sorted(set(VLLM_BACKEND_RE.findall(text)))
+    return {"attention_block_size": blocks[-1] if blocks else None, "attention_backends_logged": backends,
+            "connector_lines": [m.group(0) for m in VLLM_EXTERNAL_CONNECTOR_RE.finditer(text)][:4]}

@@ -1,0 +1,178 @@
+"""Pass/fail logic of the GPU restore gate (pure functions, stdlib only).
+
+Inputs are the per-arm, per-length records the runner collects (plain dicts);
+the output is a list of named checks and one verdict:
+
+* ``pass``          every required check holds;
+* ``fail``          a required check failed: the restore is wrong, unproven, or
+                    the negative control could not be told apart;
+* ``inconclusive``  the gate cannot judge: the cold arm itself got the keys
+                    wrong, or the run did not exercise what it was asked to;
+* ``error``         the run aborted (a process, a timeout); see ``abort``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+HIT_FRACTION_MIN = 0.97
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None: not applicable / not measured
+    detail: str = ""
+    length: int | None = None
+    required: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Verdict:
+    status: str
+    checks: list[Check] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "reasons": self.reasons, "warnings": self.warnings,
+                "checks": [c.to_json() for c in self.checks]}
+
+
+def answer_ok(criterion: str, cold: dict[str, Any], other: dict[str, Any]) -> tuple[bool, str]:
+    """Does ``other`` (a restore/store/control answer) satisfy the criterion?"""
+    if criterion == "keys":
+        sc = other.get("score") or {}
+        if sc.get("all_exact"):
+            return True, f"{sc.get('num_correct')}/{len(sc.get('expected', []))} keys exact"
+        return False, (f"{sc.get('num_correct')}/{len(sc.get('expected', []))} keys exact; missing "
+                       f"{sc.get('missing')}, spurious {sc.get('spurious')}")
+    if criterion == "identical":
+        a, b = cold.get("token_ids") or [], other.get("token_ids") or []
+        if a and b:
+            if a == b:
+                return True, f"{len(a)} tokens identical to cold"
+            n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return False, f"diverges from cold at output token {n} ({len(a)} vs {len(b)} tokens)"
+        same = (cold.get("text") or "") == (other.get("text") or "")
+        return same, "text identical to cold (no token ids returned)" if same else "text differs from cold"
+    raise ValueError(f"unknown criterion {criterion!r}")
+
+
+def evaluate(rec: dict[str, Any]) -> Verdict:
+    """``rec`` keys: criterion, lengths, expect_k, arms{cold,store,restore[,control_restore]}
+    (each: {length: entry}), health, logs, flush, placement, control_run, abort."""
+    checks: list[Check] = []
+    warnings: list[str] = list(rec.get("warnings") or [])
+    crit = rec["criterion"]
+    arms = rec.get("arms", {})
+    cold, store, restore = arms.get("cold", {}), arms.get("store", {}), arms.get("restore", {})
+    inconclusive: list[str] = []
+
+    if rec.get("abort"):
+        v = Verdict("error", checks, [f"aborted in {rec['abort'].get('state')}: {rec['abort'].get('error')}"],
+                    warnings)
+        return v
+
+    for L in rec["lengths"]:
+        key = str(L)
+        c, s, r = cold.get(key), store.get(key), restore.get(key)
+        if c is None or r is None:
+            checks.append(Check("measured", False, "missing cold or restore record", L))
+            continue
+        if crit == "keys":
+            ok, why = answer_ok("keys", c, c)
+            checks.append(Check("cold_keys_exact", ok, why, L, required=False))
+            if not ok:
+                inconclusive.append(f"{L}: the cold (LMCache off) answer is not exact, the model cannot do the task")
+        if crit == "keys" and not answer_ok("keys", c, c)[0]:
+            checks.append(Check("restore_answer", None, "not judgeable: the cold answer is not exact", L))
+        else:
+            ok, why = answer_ok(crit, c, r)
+            checks.append(Check("restore_answer", ok, why, L))
+        if s is not None:
+            ok_s, why_s = answer_ok(crit, c, s)
+            checks.append(Check("store_answer", ok_s, why_s, L, required=False))
+        pt = r.get("prompt_tokens") or 0
+        hits = (r.get("vllm_delta") or {}).get("external_hits")
+        if hits is None:
+            checks.append(Check("external_hits", False, "vllm:external_prefix_cache_hits_total not found", L))
+        else:
+            frac = hits / pt if pt else 0.0
+            r["external_hit_fraction"] = round(frac, 5)
+            checks.append(Check("external_hits", frac >= HIT_FRACTION_MIN,
+                                f"{int(hits)}/{pt} = {frac:.2%} (need >= {HIT_FRACTION_MIN:.0%})", L))
+        ld = r.get("lmcache_delta") or {}
+        loaded, hit = ld.get("l2_prefetch_loaded"), ld.get("l2_prefetch_hit")
+        if loaded is None and hit is None:
+            checks.append(Check("lmcache_l2_read", False, "no LMCache L2 prefetch counter found", L))
+        else:
+            val = loaded if loaded is not None else hit
+            name = "l2_prefetch_loaded" if loaded is not None else "l2_prefetch_hit"
+            checks.append(Check("lmcache_l2_read", bool(val and val > 0), f"{name} delta {val}", L))
+        ct, rt = c.get("ttft_s"), r.get("ttft_s")
+        checks.append(Check("ttft_below_cold", None if ct is None or rt is None else rt < ct,
+                            f"restore {rt} s vs cold {ct} s", L))
+        if r.get("prompt_echo_ok") is False or c.get("prompt_echo_ok") is False:
+            checks.append(Check("prompt_echo", False, "the engine reported other prompt ids than sent", L))
+        if s is not None:
+            sh = (s.get("vllm_delta") or {}).get("external_hits")
+            if sh:
+                checks.append(Check("store_from_empty_l2", False,
+                                    f"store arm already had {int(sh)} external hits: L2 not fresh", L))
+
+    health = rec.get("health") or {}
+    checks.append(Check("engine_healthy_after", bool(health.get("ok")), health.get("detail", "")))
+
+    flush = rec.get("flush") or {}
+    checks.append(Check("stores_flushed", bool(flush.get("ok")), flush.get("detail", "")))
+
+    pv = rec.get("placement_violations")
+    if pv:
+        checks.append(Check("placement_vs_observed_geometry", False, "; ".join(pv[:4])))
+    elif pv is not None:
+        checks.append(Check("placement_vs_observed_geometry", True, "keys avoid first kernel pages"))
+
+    expect_k = rec.get("expect_k")
+    logs = rec.get("logs") or {}
+    sub = [g for arm in ("store", "restore") for g in (logs.get(arm) or {}).get("sub_paged_groups", [])]
+    comp = [g for arm in ("store", "restore") for g in (logs.get(arm) or {}).get("compressed_groups", [])]
+    per_arm_sub = {arm: bool((logs.get(arm) or {}).get("sub_paged_groups")) for arm in ("store", "restore")}
+    if expect_k and expect_k > 1:
+        good = all(per_arm_sub.values()) and all(g["k"] == expect_k for g in sub) and not comp
+        detail = f"sub-paged {sub}; compressed {comp}; expected k={expect_k} in both server logs"
+        checks.append(Check("fix_log_subpaged", good, detail))
+    else:
+        ok = not comp and not sub
+        checks.append(Check("fix_log_k1", ok, f"k=1 run: sub-paged {sub}; compressed {comp}"))
+        warnings.append("k = 1 (no sub-paging): this run does not exercise the fix; use FlashInfer for that")
+
+    ctl = rec.get("control")
+    if ctl is not None:
+        fails = ctl.get("restore_failed_lengths", [])
+        ran = ctl.get("ran", False)
+        if not ran:
+            checks.append(Check("negative_control_fails", None, ctl.get("detail", "not run"), required=False))
+        else:
+            checks.append(Check("negative_control_fails", bool(fails),
+                                f"pristine restore wrong at {fails}" if fails else
+                                "the unpatched install restored every answer correctly: the gate cannot tell "
+                                "pristine from patched here"))
+
+    failed = [c for c in checks if c.required and c.ok is False]
+    unmeasured = [c for c in checks if c.required and c.ok is None]
+    label = lambda c: f"{c.name}{'' if c.length is None else f'[{c.length}]'}"  # noqa: E731
+    if failed:
+        return Verdict("fail", checks, [f"{label(c)}: {c.detail}" for c in failed] + inconclusive, warnings)
+    if inconclusive or unmeasured:
+        return Verdict("inconclusive", checks,
+                       inconclusive + [f"{label(c)}: not measured ({c.detail})" for c in unmeasured], warnings)
+    return Verdict("pass", checks, [], warnings)
+
+
+def failing(checks: Iterable[Check]) -> list[str]:
+    return [c.name for c in checks if c.required and c.ok is False]

@@ -1,0 +1,911 @@
+#!/usr/bin/env python3
+"""GPU buried-key restore gate: store -> full restart -> restore from the disk tier only.
+
+Run it with the interpreter of the venv that holds vLLM and the (patched)
+lmcache, on a machine with a GPU::
+
+    <venv>/bin/python verify/gpu_gate.py --model DIR --json --out result.json
+
+Arms (one request in flight, temperature 0, thinking off, prompts sent as token ids):
+
+1. **cold**    vLLM without LMCache: ground-truth answers and cold TTFT.
+2. **store**   a fresh ``lmcache server`` with an ``fs`` L2 tier in a NEW directory,
+               vLLM with the ``LMCacheMPConnector``; ask every prompt once; wait
+               until the L2 stores are flushed.
+3. **restore** stop vLLM (its process group gone, no process carrying this run's
+               marker left, GPU memory back to the baseline per ``nvidia-smi``)
+               and the LMCache server; start both again on the same L2 directory;
+               ask again.
+4. optional **control**: arms 2-3 with the binaries of an unpatched install
+   (``--control-venv``); it must fail, or the gate cannot tell the two apart.
+
+A restore passes when, for every context length: every key is exact (or, for
+a random-weight model, the continuation is token-identical to the cold one),
+vLLM's ``vllm:external_prefix_cache_hits_total`` grew by >= 97 % of the prompt,
+LMCache's L2 prefetch counters grew (the bytes came from disk), TTFT is below
+the cold TTFT; the engine is healthy afterwards; and the LMCache startup logs
+show the sub-paged group handled by the fix (``group N: sub-paged, k=K ...
+[lmcache-patchtool hybrid-fa]``).
+
+The core (everything but the tokenizer, the optional plot and the probed
+versions) is stdlib-only, so the CPU tests drive it against stand-in servers
+(``verify/standins/``).  Exit status: 0 pass, 20 fail, 21 inconclusive,
+22 error (aborted), 2 usage, 1 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import _gpu_client as client  # noqa: E402
+import _gpu_metrics as gm  # noqa: E402
+import _gpu_prompt as gp  # noqa: E402
+import _gpu_servers as gs  # noqa: E402
+import _gpu_system as gsys  # noqa: E402
+import _gpu_verdict as gv  # noqa: E402
+import procs  # noqa: E402
+
+SCHEMA = "lmcache-patchtool/gpu-gate/1"
+EXIT = {"pass": 0, "fail": 20, "inconclusive": 21, "error": 22}
+TINY_MARKER = "lmcache_patchtool_tiny"
+
+
+class GateAbort(RuntimeError):
+    """A state could not complete; the run stops, cleans up and reports ``error``."""
+
+
+# ---------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class GateConfig:
+    model: str
+    lengths: list[int] = field(default_factory=lambda: [8192, 16384, 32768])
+    num_keys: int = 3
+    seed: int = 0
+    tokenizer: str = "hf"
+    criterion: str = "auto"  # auto | keys | identical
+    max_tokens: int | None = None
+    # geometry used to place keys (the expected vLLM block, the kernel page of FlashInfer, the chunk)
+    block_size: int = 544
+    page_tokens: int = 32
+    chunk_size: int | None = None
+    expect_k: int | None = None  # None: block/page under FLASHINFER, else 1
+    # vLLM
+    attention_backend: str | None = "FLASHINFER"
+    gdn_prefill_backend: str | None = "triton"
+    tensor_parallel_size: int = 1
+    vllm_block_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.5
+    dtype: str = "auto"
+    enforce_eager: bool = True
+    vllm_extra_args: list[str] = field(default_factory=list)
+    # LMCache
+    l1_size_gb: float = 8.0
+    lmcache_extra_args: list[str] = field(default_factory=list)
+    # commands
+    vllm_cmd: str | None = None
+    lmcache_cmd: str | None = None
+    control_vllm_cmd: str | None = None
+    control_lmcache_cmd: str | None = None
+    control_venv: str | None = None
+    target_python: str | None = None
+    nvidia_smi: str = "nvidia-smi"  # "none" skips the GPU-memory check (recorded as a warning)
+    gpu_mem_tolerance_mib: int = 1024
+    env: dict[str, str] = field(default_factory=dict)
+    # network
+    host: str = "127.0.0.1"
+    vllm_port: int | None = None
+    lmcache_port: int | None = None
+    lmcache_http_port: int | None = None
+    # timeouts (seconds)
+    vllm_start_timeout: float = 1200.0
+    lmcache_start_timeout: float = 180.0
+    request_timeout: float = 900.0
+    flush_timeout: float = 600.0
+    flush_quiet_s: float = 3.0
+    stop_grace_s: float = 30.0
+    kill_timeout_s: float = 30.0
+    gpu_free_timeout: float = 180.0
+    metrics_settle_s: float = 10.0
+    poll_s: float = 0.5
+    # output
+    work_dir: str | None = None
+    keep_work: bool = False
+    out: str | None = None
+    plot: str | None = None
+
+    def resolved_chunk(self) -> int:
+        return self.chunk_size or self.block_size
+
+    def resolved_expect_k(self) -> int:
+        if self.expect_k is not None:
+            return self.expect_k
+        if (self.attention_backend or "").upper() == "FLASHINFER":
+            return self.block_size // self.page_tokens
+        return 1
+
+
+def model_is_tiny(model_dir: str) -> bool:
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(cfg.get(TINY_MARKER))
+
+
+# ---------------------------------------------------------------------------
+# The run: a small explicit state machine
+# ---------------------------------------------------------------------------
+
+MAIN_STATES = ["PREFLIGHT", "COLD_UP", "COLD_ASK", "COLD_DOWN",
+               "STORE_UP", "STORE_ASK", "STORE_FLUSH", "STORE_DOWN",
+               "RESTORE_UP", "RESTORE_ASK", "RESTORE_HEALTH", "RESTORE_DOWN"]
+CONTROL_STATES = ["CONTROL_STORE_UP", "CONTROL_STORE_ASK", "CONTROL_STORE_FLUSH", "CONTROL_STORE_DOWN",
+                  "CONTROL_RESTORE_UP", "CONTROL_RESTORE_ASK", "CONTROL_RESTORE_DOWN"]
+FINAL_STATES = ["VERDICT", "DONE"]
+
+
+def transitions(with_control: bool) -> dict[str, str]:
+    seq = MAIN_STATES + (CONTROL_STATES if with_control else []) + FINAL_STATES
+    table = {a: b for a, b in zip(seq, seq[1:])}
+    table["ABORT"] = "VERDICT"
+    return table
+
+
+class GateRun:
+    def __init__(self, cfg: GateConfig, *, log: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.log = log or (lambda msg: print(f"[gpu-gate] {msg}", file=sys.stderr, flush=True))
+        self.run_id = uuid.uuid4().hex[:12]
+        self.sup: procs.Supervisor | None = None
+        self.work: Path | None = None
+        self.trace: list[dict[str, Any]] = []
+        self.warnings: list[str] = []
+        self.procs: dict[str, procs.ManagedProcess] = {}
+        self.proc_records: list[dict[str, Any]] = []
+        self.prompts: dict[int, gp.Prompt] = {}
+        self.arms: dict[str, dict[str, Any]] = {}
+        self.flush: dict[str, Any] = {}
+        self.control_flush: dict[str, Any] = {}
+        self.health: dict[str, Any] = {}
+        self.logs: dict[str, Any] = {}
+        self.vllm_logs: dict[str, Any] = {}
+        self.stops: list[dict[str, Any]] = []
+        self.environment: dict[str, Any] = {}
+        self.gpu_baseline: gsys.GpuState | None = None
+        self.abort: dict[str, Any] | None = None
+        self.verdict: gv.Verdict | None = None
+        self.criterion = cfg.criterion
+        self.ports: dict[str, int] = {}
+        self.l2_dirs: dict[str, str] = {}
+        self.tokenizer: Any = None
+        self.control = self._control_prefixes()
+        self.table = transitions(self.control is not None)
+        self._roles_started: set[str] = set()
+
+    # -- plumbing -----------------------------------------------------------
+    def _control_prefixes(self) -> dict[str, list[str]] | None:
+        c = self.cfg
+        if c.control_venv:
+            py = str(Path(c.control_venv) / "bin" / "python")
+            return {"vllm": gs.split_cmd(c.control_vllm_cmd, gs.default_bin("vllm", py) + ["serve"]),
+                    "lmcache": gs.split_cmd(c.control_lmcache_cmd, gs.default_bin("lmcache", py) + ["server"])}
+        if c.control_vllm_cmd or c.control_lmcache_cmd:
+            return {"vllm": gs.split_cmd(c.control_vllm_cmd, self._prefix("vllm")),
+                    "lmcache": gs.split_cmd(c.control_lmcache_cmd, self._prefix("lmcache"))}
+        return None
+
+    def _prefix(self, what: str) -> list[str]:
+        py = self.cfg.target_python
+        if what == "vllm":
+            return gs.split_cmd(self.cfg.vllm_cmd, gs.default_bin("vllm", py) + ["serve"])
+        return gs.split_cmd(self.cfg.lmcache_cmd, gs.default_bin("lmcache", py) + ["server"])
+
+    def _marker(self, role: str) -> str:
+        return f"{self.run_id}:{role}"
+
+    def _env(self, role: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                    "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1", gsys.MARKER_ENV: self._marker(role)})
+        env.update(self.cfg.env)
+        return env
+
+    def note(self, state: str, what: str, **extra: Any) -> None:
+        self.trace.append({"state": state, "t": round(time.time(), 3), "what": what, **extra})
+        self.log(f"{state}: {what}")
+
+    # -- main loop ----------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        state = "PREFLIGHT"
+        with procs.Supervisor(keep_paths=True) as sup:
+            self.sup = sup
+            try:
+                while state != "DONE":
+                    self.trace.append({"state": state, "t": round(time.time(), 3), "what": "enter"})
+                    try:
+                        getattr(self, "s_" + state.lower())()
+                    except (GateAbort, procs.ProcessError, client.ClientError, TimeoutError, OSError,
+                            ValueError, gm.MetricsParseError) as exc:
+                        if state in ("VERDICT", "ABORT"):
+                            raise
+                        self.abort = {"state": state, "error": str(exc)[:4000], "type": type(exc).__name__}
+                        self.note(state, f"ABORT: {type(exc).__name__}: {str(exc)[:300]}")
+                        state = "ABORT"
+                        continue
+                    state = self.table[state]
+            finally:
+                self._teardown()
+        return self.result()
+
+    def _teardown(self) -> None:
+        for name, p in list(self.procs.items()):
+            with contextlib.suppress(procs.ProcessError):
+                if p.alive():
+                    p.kill(timeout=self.cfg.kill_timeout_s)
+        if self.sup is not None:
+            self.sup.close()
+            if self.sup.cleanup_errors:
+                self.warnings += [f"cleanup: {e}" for e in self.sup.cleanup_errors]
+        left: list[dict[str, Any]] = []
+        # marker values are per role: sweep every role of this run
+        for role in sorted(self._roles_started):
+            left += gsys.kill_marked(self._marker(role), timeout=self.cfg.kill_timeout_s)
+        if left:
+            self.warnings.append(f"teardown killed leftover processes of this run: {left}")
+        if self.work is not None and not self.cfg.keep_work and self.verdict is not None \
+                and self.verdict.status == "pass":
+            # logs of a failed run stay for inspection; L2 dirs of a pass are removed
+            for d in self.l2_dirs.values():
+                procs._remove(Path(d))
+
+    # -- states -------------------------------------------------------------
+    def s_preflight(self) -> None:
+        c = self.cfg
+        if not c.lengths or any(L <= 0 for L in c.lengths):
+            raise GateAbort("--lengths must be positive")
+        model = Path(c.model)
+        if not (model / "config.json").is_file():
+            raise GateAbort(f"--model {c.model}: no config.json (a local model directory is required)")
+        if self.criterion == "auto":
+            self.criterion = "identical" if model_is_tiny(c.model) else "keys"
+        if self.criterion not in ("keys", "identical"):
+            raise GateAbort(f"unknown criterion {self.criterion!r}")
+        self.work = Path(c.work_dir) if c.work_dir else Path.cwd() / f"gpu-gate-{time.strftime('%Y%m%d-%H%M%S')}-{self.run_id}"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.note("PREFLIGHT", f"work dir {self.work}, criterion {self.criterion}")
+
+        geo = gp.PlacementGeometry(block=c.block_size, page=c.page_tokens, chunk=c.resolved_chunk())
+        self.tokenizer = gp.make_tokenizer(c.tokenizer, c.model)
+        for L in sorted(set(c.lengths)):
+            p = gp.build_prompt(self.tokenizer, L, geometry=geo, num_keys=c.num_keys, seed=c.seed,
+                                tag=f"gate-{self.run_id}")
+            bad = gp.placement_violations(p, tokenizer=self.tokenizer)
+            if bad:
+                raise GateAbort(f"prompt {L}: unsafe key placement: {bad}")
+            self.prompts[L] = p
+        self.note("PREFLIGHT", "prompts built", tokens={L: p.num_tokens for L, p in self.prompts.items()})
+
+        py = c.target_python or sys.executable
+        self.environment = {"gate_python": sys.executable, "target": gsys.probe_environment(py),
+                            "control": gsys.probe_environment(str(Path(c.control_venv) / "bin" / "python"))
+                            if c.control_venv else None,
+                            "model_config_sha256": gsys.sha256_path(model / "config.json"),
+                            "model_is_tiny": model_is_tiny(c.model), "hostname": os.uname().nodename}
+        if c.nvidia_smi == "none":
+            self.warnings.append("--nvidia-smi none: GPU memory was NOT verified free between restarts")
+        else:
+            st = gsys.query_gpus(self._smi())
+            if not st.ok:
+                raise GateAbort(f"nvidia-smi failed ({st.error}); pass --nvidia-smi none to skip the check")
+            self.gpu_baseline = st
+            self.environment["gpu_baseline"] = st.to_json()
+        # ports: fixed for the whole run, so restarts reuse them
+        want = [c.vllm_port, c.lmcache_port, c.lmcache_http_port]
+        free = iter(procs.free_ports(3, c.host))
+        self.ports = {"vllm": want[0] or next(free), "lmcache": want[1] or next(free),
+                      "lmcache_http": want[2] or next(free)}
+        for arm in ("main", "control"):
+            d = self.work / f"l2-{arm}"
+            if d.exists() and any(d.iterdir()):
+                raise GateAbort(f"{d} is not empty: the L2 tier must start fresh")
+            d.mkdir(parents=True, exist_ok=True)
+            self.l2_dirs[arm] = str(d)
+
+    def _smi(self) -> list[str]:
+        return gs.split_cmd(self.cfg.nvidia_smi, ["nvidia-smi"])
+
+    # cold -------------------------------------------------------------------
+    def s_cold_up(self) -> None:
+        self._start_vllm("cold", self._prefix("vllm"), kv=False)
+
+    def s_cold_ask(self) -> None:
+        self._ask_all("cold", lmcache=False)
+
+    def s_cold_down(self) -> None:
+        self._stop_vllm("cold")
+
+    # store ------------------------------------------------------------------
+    def s_store_up(self) -> None:
+        self._start_lmcache("store", self._prefix("lmcache"), self.l2_dirs["main"])
+        self._start_vllm("store", self._prefix("vllm"), kv=True)
+
+    def s_store_ask(self) -> None:
+        self._ask_all("store", lmcache=True)
+
+    def s_store_flush(self) -> None:
+        self.flush = self._wait_flush("store", self.l2_dirs["main"])
+
+    def s_store_down(self) -> None:
+        self._stop_vllm("store")
+        self._stop_lmcache("store")
+
+    # restore ----------------------------------------------------------------
+    def s_restore_up(self) -> None:
+        self._start_lmcache("restore", self._prefix("lmcache"), self.l2_dirs["main"])
+        self._start_vllm("restore", self._prefix("vllm"), kv=True)
+
+    def s_restore_ask(self) -> None:
+        self._ask_all("restore", lmcache=True)
+
+    def s_restore_health(self) -> None:
+        self.health = self._health("restore")
+
+    def s_restore_down(self) -> None:
+        self._collect_logs("restore")
+        self._stop_vllm("restore")
+        self._stop_lmcache("restore")
+
+    # control ----------------------------------------------------------------
+    def s_control_store_up(self) -> None:
+        if self.cfg.resolved_expect_k() <= 1:
+            self.note("CONTROL_STORE_UP", "k = 1: the negative control cannot differ; skipped")
+            self.table = {**self.table, "CONTROL_STORE_UP": "VERDICT"}
+            self.arms.setdefault("control_restore", {})
+            self._control_skipped = "k = 1: pristine and patched behave the same"
+            return
+        assert self.control is not None
+        self._start_lmcache("control_store", self.control["lmcache"], self.l2_dirs["control"])
+        self._start_vllm("control_store", self.control["vllm"], kv=True)
+
+    def s_control_store_ask(self) -> None:
+        self._ask_all("control_store", lmcache=True)
+
+    def s_control_store_flush(self) -> None:
+        self.control_flush = self._wait_flush("control_store", self.l2_dirs["control"])
+
+    def s_control_store_down(self) -> None:
+        self._stop_vllm("control_store")
+        self._stop_lmcache("control_store")
+
+    def s_control_restore_up(self) -> None:
+        assert self.control is not None
+        self._start_lmcache("control_restore", self.control["lmcache"], self.l2_dirs["control"])
+        self._start_vllm("control_restore", self.control["vllm"], kv=True)
+
+    def s_control_restore_ask(self) -> None:
+        self._ask_all("control_restore", lmcache=True)
+
+    def s_control_restore_down(self) -> None:
+        self._collect_logs("control_restore")
+        self._stop_vllm("control_restore")
+        self._stop_lmcache("control_restore")
+
+    # abort / verdict ---------------------------------------------------------
+    def s_abort(self) -> None:
+        for name, p in list(self.procs.items()):
+            with contextlib.suppress(procs.ProcessError):
+                if p.alive():
+                    p.kill(timeout=self.cfg.kill_timeout_s)
+            self.note("ABORT", f"killed {name}")
+        for role in list(self._roles_started):
+            left = gsys.kill_marked(self._marker(role), timeout=self.cfg.kill_timeout_s)
+            if left:
+                self.note("ABORT", f"killed leftover processes of {role}: {left}")
+
+    def s_verdict(self) -> None:
+        for role in ("store", "restore", "control_store", "control_restore"):
+            if role not in self.logs and f"lmcache-{role}" in self.procs:
+                self._collect_logs(role)
+        rec = self.verdict_input()
+        self.verdict = gv.evaluate(rec)
+        self.note("VERDICT", self.verdict.status, reasons=self.verdict.reasons[:6])
+
+    _control_skipped: str | None = None
+
+    def verdict_input(self) -> dict[str, Any]:
+        c = self.cfg
+        expect_k = c.resolved_expect_k()
+        rec: dict[str, Any] = {"criterion": self.criterion, "lengths": sorted(self.prompts) or c.lengths,
+                               "expect_k": expect_k, "arms": self.arms, "health": self.health,
+                               "flush": self.flush, "abort": self.abort, "warnings": self.warnings,
+                               "logs": {"store": self.logs.get("store"), "restore": self.logs.get("restore")}}
+        observed = self._observed_geometry()
+        if observed is not None and self.prompts:
+            viol: list[str] = []
+            for L, p in self.prompts.items():
+                viol += [f"{L}: {v}" for v in gp.placement_violations(p, observed)]
+            rec["placement_violations"] = viol
+        if self.control is not None:
+            ctl: dict[str, Any] = {"ran": bool(self.arms.get("control_restore")),
+                                   "detail": self._control_skipped or "not reached"}
+            fails = []
+            for L, r in sorted((self.arms.get("control_restore") or {}).items(), key=lambda kv: int(kv[0])):
+                cold = (self.arms.get("cold") or {}).get(L)
+                if cold is not None and not gv.answer_ok(self.criterion, cold, r)[0]:
+                    fails.append(int(L))
+            ctl["restore_failed_lengths"] = fails
+            ctl["logs"] = {"store": self.logs.get("control_store"), "restore": self.logs.get("control_restore")}
+            rec["control"] = ctl
+        return rec
+
+    def _observed_geometry(self) -> gp.PlacementGeometry | None:
+        groups = [g for arm in ("store", "restore") for g in (self.logs.get(arm) or {}).get("sub_paged_groups", [])]
+        if not groups:
+            return None
+        g = groups[0]
+        try:
+            return gp.PlacementGeometry(block=g["tokens_per_block"], page=g["slots_per_block"],
+                                        chunk=self.cfg.resolved_chunk())
+        except ValueError as exc:
+            self.warnings.append(f"observed geometry {g} unusable: {exc}")
+            return None
+
+    def s_done(self) -> None:  # pragma: no cover - never entered
+        pass
+
+    # -- servers --------------------------------------------------------------
+    def _start_lmcache(self, role: str, prefix: list[str], l2_dir: str) -> None:
+        c = self.cfg
+        st = gs.LMCacheSettings(host=c.host, port=self.ports["lmcache"], http_port=self.ports["lmcache_http"],
+                                chunk_size=c.resolved_chunk(), l1_size_gb=c.l1_size_gb, l2_dir=l2_dir,
+                                extra_args=tuple(c.lmcache_extra_args))
+        argv = gs.lmcache_argv(prefix, st)
+        self._start(f"lmcache-{role}", role, argv,
+                    procs.http_probe(f"http://{c.host}:{self.ports['lmcache_http']}/healthcheck"),
+                    c.lmcache_start_timeout)
+
+    def _start_vllm(self, role: str, prefix: list[str], *, kv: bool) -> None:
+        c = self.cfg
+        longest = max(p.num_tokens for p in self.prompts.values())
+        st = gs.VllmSettings(model=c.model, host=c.host, port=self.ports["vllm"], tokenizer=c.model,
+                             dtype=c.dtype, max_model_len=c.max_model_len or longest + self._max_tokens() + 256,
+                             max_num_batched_tokens=c.max_num_batched_tokens or c.block_size,
+                             gpu_memory_utilization=c.gpu_memory_utilization,
+                             tensor_parallel_size=c.tensor_parallel_size, attention_backend=c.attention_backend,
+                             gdn_prefill_backend=c.gdn_prefill_backend, block_size=c.vllm_block_size,
+                             enforce_eager=c.enforce_eager, seed=c.seed, extra_args=tuple(c.vllm_extra_args))
+        kv_cfg = gs.kv_transfer_config(c.host, self.ports["lmcache"]) if kv else None
+        argv = gs.vllm_argv(prefix, st, kv_cfg)
+        self._start(f"vllm-{role}", role + "-vllm", argv,
+                    procs.http_probe(f"http://{c.host}:{self.ports['vllm']}/health"), c.vllm_start_timeout)
+        # warm-up: one short distinct request, so JIT/graph capture is not in anyone's TTFT
+        ids = self.tokenizer.encode(f"Warm-up request for the {role} arm of run {self.run_id}. Reply OK.")
+        t0 = time.perf_counter()
+        client.stream_completion(self._vllm_url(), "gate-model", ids, max_tokens=2, timeout=c.request_timeout)
+        self.note(role.upper(), f"vLLM ready, warm-up {time.perf_counter() - t0:.2f} s")
+
+    def _start(self, name: str, role: str, argv: list[str], probe: Any, timeout: float) -> None:
+        assert self.sup is not None and self.work is not None
+        self._roles_started.add(role)
+        log = self.work / "logs" / f"{name}.log"
+        self.note(name.upper(), "starting: " + " ".join(argv)[:600])
+        t0 = time.monotonic()
+        proc = self.sup.start(name, argv, log_path=log, env=self._env(role), ready=probe, ready_timeout=timeout)
+        self.procs[name] = proc
+        rec = proc.describe() | {"role": role, "ready_after_s": round(time.monotonic() - t0, 3)}
+        self.proc_records.append(rec)
+
+    def _vllm_url(self) -> str:
+        return f"http://{self.cfg.host}:{self.ports['vllm']}"
+
+    def _lmcache_url(self) -> str:
+        return f"http://{self.cfg.host}:{self.ports['lmcache_http']}"
+
+    def _stop_vllm(self, role: str) -> None:
+        name = f"vllm-{role}"
+        p = self.procs.get(name)
+        info: dict[str, Any] = {"process": name}
+        t0 = time.monotonic()
+        if role in ("store", "restore", "control_store", "control_restore"):
+            self.vllm_logs[role] = gs.vllm_log_facts(p.log_text()) if p else None
+        elif p is not None:
+            self.vllm_logs[role] = gs.vllm_log_facts(p.log_text())
+        if p is not None:
+            p.stop(grace=self.cfg.stop_grace_s, timeout=self.cfg.kill_timeout_s)  # raises StillAlive
+            info["signal"] = p.killed_with
+            info["returncode"] = p.returncode
+        # the EngineCore (and any other child) must be gone, even one that left the process group
+        left = gsys.marked_pids(self._marker(role + "-vllm"))
+        if left:
+            self.warnings.append(f"{name}: {len(left)} process(es) outlived the process group "
+                                 f"(e.g. an EngineCore): {left}; killed by pid")
+            gsys.kill_marked(self._marker(role + "-vllm"), timeout=self.cfg.kill_timeout_s)
+            if gsys.marked_pids(self._marker(role + "-vllm")):
+                raise GateAbort(f"{name}: processes survive SIGKILL: {left}")
+        info["leftovers"] = left
+        info["gpu"] = self._wait_gpu_free(name)
+        info["seconds"] = round(time.monotonic() - t0, 3)
+        self.stops.append(info)
+        self.note(role.upper(), f"vLLM stopped and verified gone ({info['signal'] if p else 'not running'})")
+        self.procs.pop(name, None)
+
+    def _stop_lmcache(self, role: str) -> None:
+        name = f"lmcache-{role}"
+        p = self.procs.get(name)
+        if p is None:
+            return
+        self._collect_logs(role)
+        p.stop(grace=self.cfg.stop_grace_s, timeout=self.cfg.kill_timeout_s)
+        left = gsys.marked_pids(self._marker(role))
+        if left:
+            self.warnings.append(f"{name}: processes outlived the process group: {left}; killed by pid")
+            gsys.kill_marked(self._marker(role), timeout=self.cfg.kill_timeout_s)
+        self.stops.append({"process": name, "signal": p.killed_with, "returncode": p.returncode, "leftovers": left})
+        self.note(role.upper(), f"LMCache server stopped ({p.killed_with})")
+        self.procs.pop(name, None)
+
+    def _collect_logs(self, role: str) -> None:
+        p = self.procs.get(f"lmcache-{role}")
+        if p is not None:
+            self.logs[role] = gs.lmcache_log_facts(p.log_text())
+        v = self.procs.get(f"vllm-{role}")
+        if v is not None:
+            self.vllm_logs[role] = gs.vllm_log_facts(v.log_text())
+
+    def _wait_gpu_free(self, what: str) -> dict[str, Any]:
+        if self.gpu_baseline is None:
+            return {"checked": False}
+        idx = gsys.visible_gpu_indices(self.cfg.env or None) or gsys.visible_gpu_indices()
+        base = self.gpu_baseline.used(idx)
+        limit = base + self.cfg.gpu_mem_tolerance_mib
+        deadline = time.monotonic() + self.cfg.gpu_free_timeout
+        while True:
+            st = gsys.query_gpus(self._smi())
+            if st.ok and st.used(idx) <= limit:
+                return {"checked": True, "used_mib": st.used(idx), "baseline_mib": base, "limit_mib": limit}
+            if time.monotonic() >= deadline:
+                raise GateAbort(f"after stopping {what}: GPU memory not released within "
+                                f"{self.cfg.gpu_free_timeout:.0f} s (used {st.used(idx) if st.ok else st.error} MiB, "
+                                f"baseline {base}, tolerance {self.cfg.gpu_mem_tolerance_mib})")
+            time.sleep(self.cfg.poll_s)
+
+    # -- requests -----------------------------------------------------------
+    def _max_tokens(self) -> int:
+        if self.cfg.max_tokens:
+            return self.cfg.max_tokens
+        return 32 if self.criterion == "identical" else 24 * self.cfg.num_keys + 32
+
+    def _metrics(self, url: str, table: dict[str, tuple[str, ...]]) -> gm.Snapshot:
+        code, text = client.http_get(url + "/metrics", timeout=30)
+        if code != 200:
+            raise GateAbort(f"GET {url}/metrics -> HTTP {code}")
+        return gm.snapshot(gm.parse_prometheus(text), table)
+
+    def _ask_all(self, arm: str, *, lmcache: bool) -> None:
+        out = self.arms.setdefault(arm, {})
+        for L in sorted(self.prompts):
+            out[str(L)] = self._ask(arm, self.prompts[L], lmcache=lmcache)
+
+    def _ask(self, arm: str, p: gp.Prompt, *, lmcache: bool) -> dict[str, Any]:
+        c = self.cfg
+        v_before = self._metrics(self._vllm_url(), gm.VLLM)
+        l_before = self._metrics(self._lmcache_url(), gm.LMCACHE) if lmcache else None
+        comp = client.stream_completion(self._vllm_url(), "gate-model", p.ids, max_tokens=self._max_tokens(),
+                                        timeout=c.request_timeout)
+        # counters are updated asynchronously: wait until vLLM has accounted the prompt
+        deadline = time.monotonic() + c.metrics_settle_s
+        while True:
+            v_after = self._metrics(self._vllm_url(), gm.VLLM)
+            d = gm.delta(v_before, v_after)
+            if (d.get("prompt_tokens") or 0) >= p.num_tokens or time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.2, c.poll_s))
+        entry: dict[str, Any] = {"prompt_tokens": p.num_tokens, "vllm_delta": d,
+                                 "vllm_metric_names": v_after.names}
+        if lmcache:
+            l_after = self._settle_lmcache(l_before, arm)
+            entry["lmcache_delta"] = gm.delta(l_before, l_after)
+            entry["lmcache_metric_names"] = l_after.names
+        entry.update(comp.to_json())
+        entry["usage_prompt_tokens"] = (comp.usage or {}).get("prompt_tokens")
+        if comp.echoed_prompt_ids is not None:
+            entry["prompt_echo_ok"] = comp.echoed_prompt_ids == p.ids
+        entry["score"] = gp.score_answer(p.key_strings, comp.text)
+        hits = d.get("external_hits")
+        self.note(arm.upper(), f"{p.target_tokens}: {p.num_tokens} tokens, TTFT {comp.ttft_s:.3f} s, "
+                               f"external hits {hits}, keys {entry['score']['num_correct']}/{len(p.keys)}")
+        return entry
+
+    def _settle_lmcache(self, before: gm.Snapshot, arm: str) -> gm.Snapshot:
+        c = self.cfg
+        deadline = time.monotonic() + c.metrics_settle_s
+        last = None
+        while True:
+            snap = self._metrics(self._lmcache_url(), gm.LMCACHE)
+            d = gm.delta(before, snap)
+            if "restore" in arm and (d.get("l2_prefetch_loaded") or d.get("l2_prefetch_hit")):
+                return snap
+            if "restore" not in arm and last is not None and snap.values == last.values:
+                return snap
+            if time.monotonic() >= deadline:
+                return snap
+            last = snap
+            time.sleep(min(0.3, c.poll_s))
+
+    def _wait_flush(self, role: str, l2_dir: str) -> dict[str, Any]:
+        c = self.cfg
+        t0 = time.monotonic()
+        deadline = t0 + c.flush_timeout
+        stable_since = None
+        last = None
+        while True:
+            snap = self._metrics(self._lmcache_url(), gm.LMCACHE)
+            sub, done = snap.values.get("l2_store_submitted"), snap.values.get("l2_store_completed")
+            files = [f for f in Path(l2_dir).rglob("*") if f.is_file()]
+            size = sum(f.stat().st_size for f in files)
+            state = (sub, done, len(files), size)
+            settled = bool(files) and (done is None or (done > 0 and (sub is None or done >= sub)))
+            now = time.monotonic()
+            if settled and state == last:
+                stable_since = stable_since or now
+                if now - stable_since >= c.flush_quiet_s:
+                    res = {"ok": True, "seconds": round(now - t0, 3), "l2_store_submitted": sub,
+                           "l2_store_completed": done, "files": len(files), "bytes": size,
+                           "detail": f"{len(files)} files, {size} bytes in L2; stores {done}/{sub}"}
+                    self.note(role.upper(), "stores flushed: " + res["detail"])
+                    return res
+            else:
+                stable_since = None
+            if now >= deadline:
+                raise GateAbort(f"{role}: L2 stores not flushed after {c.flush_timeout:.0f} s "
+                                f"(submitted {sub}, completed {done}, {len(files)} files)")
+            last = state
+            time.sleep(c.poll_s)
+
+    def _health(self, role: str) -> dict[str, Any]:
+        c = self.cfg
+        detail = []
+        ok = True
+        code, _ = client.http_get(self._vllm_url() + "/health", timeout=30)
+        detail.append(f"vLLM /health {code}")
+        ok &= code == 200
+        try:
+            ids = self.tokenizer.encode(f"Health check after the {role} arm. Reply OK.")
+            comp = client.stream_completion(self._vllm_url(), "gate-model", ids, max_tokens=4,
+                                            timeout=c.request_timeout)
+            detail.append(f"short request ok ({len(comp.token_ids)} tokens)")
+        except client.ClientError as exc:
+            ok = False
+            detail.append(f"short request failed: {exc}")
+        p = self.procs.get(f"vllm-{role}")
+        alive = bool(p and p.alive())
+        ok &= alive
+        detail.append("vLLM process alive" if alive else "vLLM process gone")
+        try:
+            lcode, _ = client.http_get(self._lmcache_url() + "/healthcheck", timeout=30)
+        except client.ClientError as exc:
+            lcode = str(exc)
+        detail.append(f"LMCache /healthcheck {lcode}")
+        ok &= lcode == 200
+        return {"ok": bool(ok), "detail": "; ".join(detail)}
+
+    # -- result -------------------------------------------------------------
+    def result(self) -> dict[str, Any]:
+        c = self.cfg
+        geo = gp.PlacementGeometry(block=c.block_size, page=c.page_tokens, chunk=c.resolved_chunk())
+        res: dict[str, Any] = {
+            "schema": SCHEMA, "run_id": self.run_id,
+            "verdict": self.verdict.to_json() if self.verdict else {"status": "error", "reasons": ["no verdict"]},
+            "criterion": self.criterion,
+            "config": asdict(c) | {"resolved_chunk": c.resolved_chunk(), "expect_k": c.resolved_expect_k(),
+                                   "ports": self.ports, "l2_dirs": self.l2_dirs,
+                                   "vllm_prefix": self._prefix("vllm"), "lmcache_prefix": self._prefix("lmcache"),
+                                   "control_prefixes": self.control},
+            "attention_backend": c.attention_backend or "vllm-default",
+            "geometry": {"placement": asdict(geo) | {"k": geo.k}, "expected_k": c.resolved_expect_k(),
+                         "lmcache_logs": self.logs, "vllm_logs": self.vllm_logs},
+            "environment": self.environment,
+            "prompts": {str(L): p.to_json() for L, p in sorted(self.prompts.items())},
+            "arms": self.arms, "flush": {"main": self.flush, "control": self.control_flush},
+            "health": self.health, "stops": self.stops, "processes": self.proc_records,
+            "warnings": self.warnings, "abort": self.abort, "trace": self.trace,
+            "summary": self.summary(),
+        }
+        return res
+
+    def summary(self) -> list[dict[str, Any]]:
+        rows = []
+        for L, p in sorted(self.prompts.items()):
+            row: dict[str, Any] = {"length": L, "prompt_tokens": p.num_tokens}
+            for arm in ("cold", "store", "restore", "control_restore"):
+                e = (self.arms.get(arm) or {}).get(str(L))
+                if e is None:
+                    continue
+                row[arm] = {"ttft_s": e.get("ttft_s"), "external_hits": (e.get("vllm_delta") or {}).get("external_hits"),
+                            "keys_exact": (e.get("score") or {}).get("all_exact"),
+                            "l2_prefetch_loaded": (e.get("lmcache_delta") or {}).get("l2_prefetch_loaded")}
+                cold = (self.arms.get("cold") or {}).get(str(L))
+                if cold is not None and arm != "cold":
+                    row[arm]["answer_ok"] = gv.answer_ok(self.criterion if self.criterion != "auto" else "keys",
+                                                         cold, e)[0]
+            rows.append(row)
+        return rows
+
+
+# ---------------------------------------------------------------------------
+# Plot (optional: matplotlib in the target venv)
+# ---------------------------------------------------------------------------
+
+
+def write_plot(result: dict[str, Any], path: str) -> dict[str, Any]:
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no plot"
+        return {"written": False, "note": f"matplotlib not available ({type(exc).__name__}: {exc}); plot skipped"}
+    rows = [r for r in result["summary"] if "cold" in r and "restore" in r]
+    if not rows:
+        return {"written": False, "note": "no cold+restore pairs to plot"}
+    xs = [r["prompt_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, [r["cold"]["ttft_s"] for r in rows], "o-", label="cold (LMCache off)")
+    ax.plot(xs, [r["restore"]["ttft_s"] for r in rows], "s-", label="restore (disk tier, after restart)")
+    if any("control_restore" in r for r in rows):
+        ax.plot(xs, [(r.get("control_restore") or {}).get("ttft_s") for r in rows], "x--",
+                label="control restore (unpatched)")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title(f"GPU restore gate: {result['verdict']['status']} ({result['attention_backend']})")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return {"written": True, "path": path}
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def _lengths(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        mult = 1024 if part.endswith("k") else 1
+        out.append(int(part.rstrip("k")) * mult)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="gpu_gate.py", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="local model directory (no hub access)")
+    ap.add_argument("--lengths", type=_lengths, default=[8192, 16384, 32768],
+                    help="context lengths in tokens, e.g. 8k,16k,32k (default)")
+    ap.add_argument("--keys", dest="num_keys", type=int, default=3, help="keys per prompt (default 3)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", default="hf", help="hf (the model's, default) | hf:PATH | byte (tests)")
+    ap.add_argument("--criterion", choices=["auto", "keys", "identical"], default="auto",
+                    help="keys: every key exact; identical: restore continuation token-identical to cold "
+                         "(random-weight models); auto: identical for tiny_hybrid_model.py output")
+    ap.add_argument("--max-tokens", type=int)
+    g = ap.add_argument_group("geometry used to place keys")
+    g.add_argument("--block-size", type=int, default=544, help="expected vLLM logical block N (default 544)")
+    g.add_argument("--page-tokens", type=int, default=32, help="kernel page P to avoid (default 32, FlashInfer)")
+    g.add_argument("--chunk-size", type=int, help="LMCache chunk size C (default: --block-size)")
+    g.add_argument("--expect-k", type=int, help="k the server must log (default N/P under FLASHINFER, else 1)")
+    g = ap.add_argument_group("vLLM")
+    g.add_argument("--attention-backend", default="FLASHINFER",
+                   help="FLASHINFER (sub-pages on Hopper, default) | FLASH_ATTN (k=1) | auto (vLLM decides)")
+    g.add_argument("--gdn-prefill-backend", default="triton", help="'none' to leave vLLM's default")
+    g.add_argument("--tp", dest="tensor_parallel_size", type=int, default=1)
+    g.add_argument("--vllm-block-size", type=int, help="pass --block-size to vLLM")
+    g.add_argument("--max-num-batched-tokens", type=int, help="default: --block-size (LMCache requires [N, 2N))")
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
+    g.add_argument("--vllm-arg", dest="vllm_extra_args", action="append", default=[],
+                   help="extra vLLM argument (repeatable; use --vllm-arg=--flag)")
+    g = ap.add_argument_group("LMCache")
+    g.add_argument("--l1-size-gb", type=float, default=8.0)
+    g.add_argument("--lmcache-arg", dest="lmcache_extra_args", action="append", default=[])
+    g = ap.add_argument_group("commands")
+    g.add_argument("--vllm-cmd", help="command prefix for vLLM (default: <venv>/bin/vllm serve)")
+    g.add_argument("--lmcache-cmd", help="command prefix for LMCache (default: <venv>/bin/lmcache server)")
+    g.add_argument("--control-venv", help="venv with an UNPATCHED lmcache: run the negative control")
+    g.add_argument("--control-vllm-cmd")
+    g.add_argument("--control-lmcache-cmd")
+    g.add_argument("--target-python", help="interpreter to probe for versions (default: this one)")
+    g.add_argument("--nvidia-smi", default="nvidia-smi", help="nvidia-smi command, or 'none' to skip (recorded)")
+    g.add_argument("--gpu-mem-tolerance-mib", type=int, default=1024)
+    g.add_argument("--env", action="append", default=[], help="KEY=VALUE for every child (repeatable)")
+    g = ap.add_argument_group("network and timeouts (seconds)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--vllm-port", type=int)
+    g.add_argument("--lmcache-port", type=int)
+    g.add_argument("--lmcache-http-port", type=int)
+    for name, default in (("vllm-start-timeout", 1200.0), ("lmcache-start-timeout", 180.0),
+                          ("request-timeout", 900.0), ("flush-timeout", 600.0), ("flush-quiet-s", 3.0),
+                          ("stop-grace-s", 30.0), ("kill-timeout-s", 30.0), ("gpu-free-timeout", 180.0),
+                          ("metrics-settle-s", 10.0), ("poll-s", 0.5)):
+        g.add_argument(f"--{name}", type=float, default=default)
+    g = ap.add_argument_group("output")
+    g.add_argument("--work-dir", help="logs, L2 directories (default ./gpu-gate-<time>-<id>)")
+    g.add_argument("--keep-work", action="store_true", help="keep the L2 directories of a passing run")
+    g.add_argument("--out", help="write the JSON result here (default <work-dir>/gpu-gate-result.json)")
+    g.add_argument("--plot", help="PNG of restore vs cold TTFT (default <work-dir>/gpu-gate-ttft.png)")
+    g.add_argument("--json", action="store_true", help="print the JSON result on stdout")
+    return ap
+
+
+def config_from_args(ns: argparse.Namespace) -> GateConfig:
+    kw = {k: v for k, v in vars(ns).items() if k in GateConfig.__dataclass_fields__}
+    env = {}
+    for item in ns.env:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--env {item!r}: expected KEY=VALUE")
+        env[k] = v
+    kw["env"] = env
+    if kw.get("attention_backend", "").lower() in ("auto", "none", ""):
+        kw["attention_backend"] = None
+    if (kw.get("gdn_prefill_backend") or "").lower() in ("none", "auto", ""):
+        kw["gdn_prefill_backend"] = None
+    return GateConfig(**kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    cfg = config_from_args(ns)
+    try:
+        run = GateRun(cfg)
+        result = run.run()
+    except Exception:  # noqa: BLE001 - a bug: report it as such
+        traceback.print_exc()
+        return 1
+    work = run.work or Path.cwd()
+    plot_path = cfg.plot or str(work / "gpu-gate-ttft.png")
+    result["plot"] = write_plot(result, plot_path) if result["summary"] else {"written": False,
+                                                                              "note": "nothing measured"}
+    out = cfg.out or str(work / "gpu-gate-result.json")
+    text = json.dumps(result, indent=1, default=str)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text)
+    status = result["verdict"]["status"]
+    if ns.json:
+        print(text)
+    print(f"[gpu-gate] verdict: {status}; result {out}", file=sys.stderr)
+    for r in result["verdict"].get("reasons", [])[:10]:
+        print(f"[gpu-gate]   {r}", file=sys.stderr)
+    return EXIT.get(status, 22)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
