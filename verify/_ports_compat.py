@@ -1,0 +1,287 @@
+"""Version shims that let the 0.5.3 round-trip harness drive LMCache 0.5.4-0.5.6.
+
+lmcache-patchtool hybrid-fa ports.  ``verify/roundtrip.py`` and its helpers
+(``_harness_guards.py``, ``_harness_native.py``) were written against 0.5.3,
+where the transfer functions live in ``lmcache_driven_transfer`` and the ops
+module is ``lmc_ops``.  What moved (see docs/ports.md):
+
+* 0.5.4/0.5.5: ``lmc_ops`` became ``device_ops`` (ops, plan records) plus
+  ``lmcache_native`` (enums); the native plan path reads
+  ``device_ops.KernelGroupSpec/LaunchVar/BatchStep/execute_object_group_transfer``
+  and ``gpu_ops.device_ops.StagingCopy``.
+* 0.5.6: the transfer functions (and their ``lmcache_memcpy_async_*`` /
+  ``_HAS_NATIVE_OBJECT_GROUP_TRANSFER`` globals) moved to
+  ``lmcache.v1.multiprocess.object_group_transfer``; ``torch_ops`` became a
+  package without ``_is_cross_layer_format``.
+
+:func:`install` rebinds, at runtime and without touching those files:
+``_harness_guards.CopyRecorder.wrap_python_path``, ``roundtrip._inject_fault``
+and ``_harness_native.native_emulation`` to versions that patch the module
+that really owns the transfer, and gives ``lmcache_driven_transfer`` a
+read-only ``_HAS_NATIVE_OBJECT_GROUP_TRANSFER`` on 0.5.6 (``_lmcache_info``
+reads it).  On 0.5.3 it does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import types
+from typing import Any, Callable
+
+
+def transfer_module():
+    """The module whose globals the transfer functions read."""
+    try:
+        from lmcache.v1.multiprocess import object_group_transfer as ogt  # noqa: PLC0415
+
+        return ogt
+    except ImportError:
+        from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: PLC0415
+
+        return ldt
+
+
+def ops_attr(mod) -> str:
+    """Name of the ops global in ``mod``: ``lmc_ops`` (0.5.3) or ``device_ops``."""
+    return "lmc_ops" if hasattr(mod, "lmc_ops") else "device_ops"
+
+
+def lmcache_version() -> str | None:
+    from pathlib import Path  # noqa: PLC0415
+
+    import lmcache  # noqa: PLC0415
+
+    root = Path(lmcache.__file__).resolve().parent.parent
+    for dist in root.glob("lmcache-*.dist-info"):
+        return dist.name[len("lmcache-"):-len(".dist-info")]
+    return getattr(lmcache, "__version__", None)
+
+
+# ---------------------------------------------------------------------------
+# Copy recorder / fault injection on the real transfer module
+# ---------------------------------------------------------------------------
+
+def _wrap_python_path(self):
+    mod = transfer_module()
+    orig_d2h, orig_h2d = mod.lmcache_memcpy_async_d2h, mod.lmcache_memcpy_async_h2d
+
+    def _raw_ptr(obj):
+        t = obj.raw_tensor
+        return t.data_ptr() if t is not None else 0
+
+    def d2h(gpu_buffer, memory_obj):
+        self.record("d2h", "python", memory_obj.data_ptr, memory_obj.meta.address, memory_obj.get_size(),
+                    _raw_ptr(memory_obj))
+        return orig_d2h(gpu_buffer, memory_obj)
+
+    def h2d(memory_obj, gpu_buffer):
+        self.record("h2d", "python", memory_obj.data_ptr, memory_obj.meta.address, memory_obj.get_size(),
+                    _raw_ptr(memory_obj))
+        return orig_h2d(memory_obj, gpu_buffer)
+
+    @contextlib.contextmanager
+    def cm():
+        mod.lmcache_memcpy_async_d2h, mod.lmcache_memcpy_async_h2d = d2h, h2d
+        try:
+            yield self
+        finally:
+            mod.lmcache_memcpy_async_d2h, mod.lmcache_memcpy_async_h2d = orig_d2h, orig_h2d
+
+    return cm()
+
+
+@contextlib.contextmanager
+def _inject_fault(kind: str | None):
+    if not kind:
+        yield
+        return
+    mod = transfer_module()
+    orig = mod.lmcache_memcpy_async_d2h
+
+    class _Skewed:
+        def __init__(self, base):
+            self._base = base
+            self.meta = dataclasses.replace(base.meta, address=base.meta.address + 64)
+
+        def __getattr__(self, name):
+            return getattr(self._base, name)
+
+    def d2h(gpu_buffer, memory_obj):
+        if kind == "meta-write":
+            memory_obj.meta.address = memory_obj.meta.address
+        elif kind == "used-size":
+            memory_obj.set_used_size(memory_obj.get_size())
+        elif kind == "address-skew":
+            memory_obj = _Skewed(memory_obj)
+        else:
+            raise ValueError(f"unknown fault {kind!r}")
+        return orig(gpu_buffer, memory_obj)
+
+    mod.lmcache_memcpy_async_d2h = d2h
+    try:
+        yield
+    finally:
+        mod.lmcache_memcpy_async_d2h = orig
+
+
+# ---------------------------------------------------------------------------
+# Native plan executor emulation for device_ops (0.5.4+)
+# ---------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def native_emulation(recorder: Callable[..., None] | None = None):
+    """Route the transfer through ``_run_object_group_transfer_plan`` on CPU.
+
+    Same executor semantics as ``_harness_native`` (H2D: staging copies then
+    launches per BatchStep; D2H: launches then staging copies), installed as
+    ``device_ops`` of the transfer module and of ``gpu_ops``.
+    """
+    import torch  # noqa: PLC0415
+
+    import _harness_native as hn  # noqa: PLC0415
+    from lmcache.v1.gpu_connector import gpu_ops  # noqa: PLC0415
+    import lmcache.lmcache_native as lmcache_native  # noqa: PLC0415
+    from lmcache.v1.platform import torch_ops  # noqa: PLC0415
+
+    mod = transfer_module()
+    attr = ops_attr(mod)
+    if attr == "lmc_ops":  # 0.5.3: the original emulation applies unchanged
+        with hn._orig_native_emulation(recorder) as stats:
+            yield stats
+        return
+    real = getattr(mod, attr)
+    stats = hn.NativeStats()
+
+    def execute_object_group_transfer(direction, device, pin_chunk_size, specs, steps, **_timing):  # noqa: ARG001
+        stats.calls += 1
+        is_h2d = int(direction) == int(lmcache_native.TransferDirection.H2D)
+        for step in steps:
+            stats.steps += 1
+            if is_h2d:
+                _staging(step.staging, is_h2d)
+                _launches(step.launches, specs, direction, device)
+            else:
+                _launches(step.launches, specs, direction, device)
+                _staging(step.staging, is_h2d)
+
+    def _staging(copies, is_h2d):
+        for c in copies:
+            stats.staging_copies += 1
+            if recorder is not None:
+                host_ptr = c.src if is_h2d else c.dst
+                recorder("h2d" if is_h2d else "d2h", "native", host_ptr, c.host_offset, c.size, host_ptr)
+            if c.size < 0:
+                raise ValueError(f"negative staging copy size {c.size}")
+            ctypes.memmove(c.dst, c.src, c.size)
+
+    def _launches(launches, specs, direction, device):
+        for lv in launches:
+            stats.launches += 1
+            spec = specs[lv.spec_idx]
+            if lv.start_block_pos < 0 or lv.n_blocks < 0 or lv.start_block_pos + lv.n_blocks > spec.n_block_ids:
+                raise IndexError(
+                    f"launch block window [{lv.start_block_pos}, {lv.start_block_pos + lv.n_blocks}) "
+                    f"outside the staged block ids (n={spec.n_block_ids})")
+            if not 0 < lv.batch_len <= len(spec.temp_ptrs):
+                raise IndexError(f"batch_len {lv.batch_len} outside 1..{len(spec.temp_ptrs)} staging slots")
+            fmt_name = getattr(spec.fmt, "name", str(spec.fmt))
+            if not fmt_name.startswith("NL_X_") or fmt_name.startswith("NL_X_TWO_X"):
+                raise NotImplementedError(f"emulation covers per-layer formats only, got {fmt_name}")
+            n_ptrs = int(spec.shape_desc.nl)
+            paged = torch_ops._tensor_from_ptr(spec.paged_ptrs, (n_ptrs,), torch.int64, "cpu")
+            ids_all = (torch_ops._tensor_from_ptr(spec.block_ids_ptr, (spec.n_block_ids,), torch.int64, "cpu")
+                       if spec.n_block_ids else torch.empty(0, dtype=torch.int64))
+            ids = ids_all[lv.start_block_pos:lv.start_block_pos + lv.n_blocks]
+            real.multi_layer_block_kv_transfer(
+                paged.clone(), list(spec.temp_ptrs[:lv.batch_len]), ids.clone(), device, direction,
+                spec.shape_desc, spec.slots_per_chunk_in_sw, spec.fmt, lv.skip_blocks)
+
+    class _NS(types.SimpleNamespace):
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    ns = _NS(StagingCopy=hn.StagingCopy, LaunchVar=hn.LaunchVar, BatchStep=hn.BatchStep,
+             KernelGroupSpec=hn.KernelGroupSpec, execute_object_group_transfer=execute_object_group_transfer)
+    saved = (getattr(mod, attr), gpu_ops.device_ops, mod._HAS_NATIVE_OBJECT_GROUP_TRANSFER)
+    setattr(mod, attr, ns)
+    gpu_ops.device_ops = ns
+    mod._HAS_NATIVE_OBJECT_GROUP_TRANSFER = True
+    try:
+        yield stats
+    finally:
+        setattr(mod, attr, saved[0])
+        gpu_ops.device_ops = saved[1]
+        mod._HAS_NATIVE_OBJECT_GROUP_TRANSFER = saved[2]
+
+
+def _storage_manager_056(base_cls):
+    """FakeStorageManager plus the 0.5.6 storage-manager surface.
+
+    0.5.6 calls ``reserve_write(keys, layout)`` (no mode), completes writes
+    with ``prepare_write_completion`` / ``finish_write_by_owner`` and reads
+    with ``prepare_read_completion`` / ``unsafe_read`` / ``finish_read_by_owner``
+    (``L1WriteCompletion`` = ``[(owner, [keys])]``).
+    """
+
+    class FakeStorageManager056(base_cls):
+        OWNER = 1
+
+        def reserve_write(self, keys, layout_desc, mode="new"):
+            return super().reserve_write(keys, layout_desc, mode)
+
+        def prepare_write_completion(self, objects):
+            return [(self.OWNER, list(objects))]
+
+        def finish_write_by_owner(self, completion):
+            self.finish_write([k for _, keys in completion for k in keys])
+
+        def prepare_read_completion(self, keys, l1_owners=None):  # noqa: ARG002
+            return [(self.OWNER, list(keys))]
+
+        def unsafe_read(self, keys, l1_owners=None):  # noqa: ARG002
+            found = [k for k in keys if k in self.objs]
+            return found, [self.objs[k] for k in found]
+
+        def finish_read_by_owner(self, completion):
+            self.finish_read_prefetched([k for _, keys in completion for k in keys])
+
+        def finish_read_prefetched(self, keys, read_locks=1, l1_owners=None, extra_count=0):  # noqa: ARG002
+            self.finish_read_calls += 1
+
+    return FakeStorageManager056
+
+
+def install() -> None:
+    """Adapt the harness modules to the lmcache on ``sys.path`` (idempotent)."""
+    import _harness_guards  # noqa: PLC0415
+    import _harness_native  # noqa: PLC0415
+    import roundtrip  # noqa: PLC0415
+    from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: PLC0415
+
+    mod = transfer_module()
+    if mod is ldt and ops_attr(ldt) == "lmc_ops":
+        return  # 0.5.3: nothing to adapt
+    if not hasattr(_harness_native, "_orig_native_emulation"):
+        _harness_native._orig_native_emulation = _harness_native.native_emulation
+    _harness_native.native_emulation = native_emulation
+    _harness_guards.CopyRecorder.wrap_python_path = _wrap_python_path
+    roundtrip._inject_fault = _inject_fault
+    if not hasattr(ldt, "_HAS_NATIVE_OBJECT_GROUP_TRANSFER"):
+        ldt._HAS_NATIVE_OBJECT_GROUP_TRANSFER = mod._HAS_NATIVE_OBJECT_GROUP_TRANSFER
+    if mod is not ldt and not getattr(roundtrip, "_ports_056", False):
+        # 0.5.6 server context: storage-manager completions, null block id,
+        # per-request read owners and the lookup session manager.
+        roundtrip._ports_056 = True
+        roundtrip.FakeStorageManager = _storage_manager_056(roundtrip.FakeStorageManager)
+        orig_ctx = roundtrip._fake_server_context
+
+        def _fake_server_context(chunk_size, sm):
+            ctx = orig_ctx(chunk_size, sm)
+            ctx.null_block_id = 0
+            ctx.get_read_owners = lambda request_id: None  # noqa: ARG005
+            ctx.session_manager = types.SimpleNamespace(get=lambda request_id: None)  # noqa: ARG005
+            return ctx
+
+        roundtrip._fake_server_context = _fake_server_context
