@@ -140,6 +140,14 @@ class KVCaches:
 def build_kv_caches(geo: Geometry, num_logical_blocks: int, *, fill: int | None = None, seed: int | None = None) -> KVCaches:
     """Allocate CPU tensors laid out as vLLM 0.27.1 registers them (HND on CPU).
 
+    Caveat for callers that register through LMCache's worker adapter: its
+    ``CpuShmTensorWrapper`` re-points each registered tensor's storage at a new
+    shared-memory segment (``Tensor.set_``). Content written before that is
+    lost and ``raw`` views then point at the old memory, so fill and read the
+    *registered* tensors after registering (the restore gate does). The
+    in-process harness hands the tensors over unchanged, so this does not
+    arise there.
+
     ``seed`` fills with deterministic random bytes; ``fill`` with one byte value
     (a poison pattern for retrieve destinations).  Exactly one must be given.
     """
