@@ -14,7 +14,8 @@ from pathlib import Path
 from . import __version__
 from .manifest import STATE_FIXED_UPSTREAM, FileHash, PatchSetDir
 from .record import check_rows, parse_record
-from .target import Discovery
+from .target import Discovery, Target
+from .wheelbuild import read_provenance, split_local
 
 NOT_INSTALLED = "not-installed"
 PRISTINE = "pristine"
@@ -78,6 +79,28 @@ class Status:
     files: list[FileStatus] = field(default_factory=list)
     record: RecordSummary | None = None
     recovered_files: int = 0  # restored from an interrupted run's journal
+    # Set when the install came from a wheel built by `patchtool wheel`: its
+    # provenance file (or, without one, what the local version says).  Such
+    # an install is patched at build time; apply/revert do not act on it.
+    wheel_build: dict | None = None
+
+
+def patch_set_key(target: Target) -> tuple[str, str | None]:
+    """(version, set name) to look the patch set up with: a patched wheel's
+    ``0.5.3+hybridfa.r1`` is still lmcache 0.5.3, of the set its provenance names."""
+    public, tag, _ = split_local(target.version)
+    prov = read_provenance(target.dist_info) if tag is not None else None
+    return public, (prov or {}).get("patch_set")
+
+
+def wheel_build_info(target: Target) -> dict | None:
+    prov = read_provenance(target.dist_info)
+    public, tag, rev = split_local(target.version)
+    if prov is not None:
+        return prov
+    if tag is not None:
+        return {"version": target.version, "lmcache_version": public, "revision": rev}
+    return None
 
 
 def _read(path: Path) -> bytes | None:
@@ -97,6 +120,7 @@ def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = Fal
     st.site, st.dist_info = str(t.site), str(t.dist_info)
     st.lmcache_version, st.installer = t.version, t.installer
     st.install_source = (t.direct_url or {}).get("url", "index") if t.direct_url else "index"
+    st.wheel_build = wheel_build_info(t)
 
     record_rows = parse_record(t.record_path.read_bytes())
     if pset is None:
@@ -157,6 +181,8 @@ def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = Fal
     older = [r for r, ok in older_ok.items() if ok]
     if n in common_steps:
         st.state, st.detail = PATCHED, f"patched with {pset.name} revision {m.revision}"
+        if st.wheel_build is not None:
+            st.detail += f" (installed from the patched wheel, lmcache {t.version})"
     elif 0 in common_steps:
         st.state, st.detail = PRISTINE, "files are as the wheel installed them"
     elif common_steps:

@@ -23,9 +23,11 @@ def _common() -> argparse.ArgumentParser:
     return p
 
 
-def _targeting() -> argparse.ArgumentParser:
+def _targeting(exclusive: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
-    g = p.add_mutually_exclusive_group()
+    # verify accepts both together: --site-packages is the install checked,
+    # --python the interpreter its restore checks run in.
+    g = p.add_mutually_exclusive_group() if exclusive else p
     g.add_argument("--python", metavar="PATH",
                    help="interpreter of the venv to act on (default: this one)")
     g.add_argument("--site-packages", metavar="DIR",
@@ -51,10 +53,51 @@ def build_parser() -> argparse.ArgumentParser:
                    "(id, file name or NN prefix)")
     r = sub.add_parser("revert", parents=[common, targeting], help="restore the original files")
     r.add_argument("--dry-run", action="store_true")
-    v = sub.add_parser("verify", parents=[common, targeting],
-                       help="exit 0 only if patched with the current revision and every hash matches")
-    v.add_argument("--restore", choices=("cpu", "gpu"), help="also run the restore check")
+    v = sub.add_parser("verify", parents=[common, _targeting(exclusive=False)],
+                       help="exit 0 only if patched with the current revision and every hash matches",
+                       epilog="Arguments after `--` are passed to the restore script "
+                       "(verify/restore_gate.py for cpu, verify/gpu_gate.py for gpu).")
+    v.add_argument("--restore", choices=("cpu", "gpu"), help="also run the restore check in the "
+                   "target environment (cpu: verify/restore_gate.py; gpu: verify/gpu_gate.py)")
+    v.add_argument("--roundtrip", action="store_true", help="also run the in-process round-trip "
+                   "harness (verify/roundtrip.py --matrix fast) in the target environment")
+    v.add_argument("--preset", action="append", metavar="NAME",
+                   help="restore gate geometry preset (repeatable; default: all)")
+    v.add_argument("--check-timeout", type=float, default=3600.0, metavar="SECONDS",
+                   help="kill a restore check running longer than this (default 3600)")
     sub.add_parser("list", parents=[common], help="list shipped patch sets")
+    w = sub.add_parser("wheel", parents=[common], help="build the patched wheel of lmcache==X")
+    w.add_argument("requirement", nargs="?", metavar="lmcache==X",
+                   help="the exact pin (optional with --from)")
+    w.add_argument("--from", dest="from_wheel", metavar="FILE.whl",
+                   help="use this local upstream wheel instead of downloading it")
+    w.add_argument("-o", "--output-dir", default=".", metavar="DIR",
+                   help="where to write the patched wheel (default: .)")
+    w.add_argument("--python", metavar="PATH", help="interpreter whose pip downloads the "
+                   "wheel, so its tags match (default: this one)")
+    w.add_argument("--set", dest="set_name", metavar="NAME", help="patch set name")
+    c = sub.add_parser("ci", parents=[common], help="build, install and restore-test the "
+                       "patched wheel of a pinned lmcache (a deployment gate)")
+    src = c.add_mutually_exclusive_group(required=True)
+    src.add_argument("--pin", metavar="lmcache==X", help="an exact lmcache pin")
+    src.add_argument("--requirements", metavar="FILE", help="a requirements file pinning lmcache")
+    src.add_argument("--wheel", metavar="FILE.whl", help="a local upstream lmcache wheel")
+    c.add_argument("--python", metavar="PATH", help="interpreter with torch and lmcache's "
+                   "dependencies, e.g. the deployment venv's (default: this one)")
+    c.add_argument("--set", dest="set_name", metavar="NAME", help="patch set name")
+    c.add_argument("--preset", action="append", metavar="NAME",
+                   help="restore gate geometry preset (repeatable; default: all)")
+    c.add_argument("--roundtrip-matrix", choices=("fast", "full"), default="fast",
+                   help="round-trip harness matrix (default: fast)")
+    c.add_argument("--vllm", metavar="VERSION", help="the deployment's vLLM version (default: "
+                   "the requirements file's pin, else the one installed for --python)")
+    c.add_argument("--allow-warnings", action="store_true", help="do not fail on warnings")
+    c.add_argument("-o", "--output-dir", metavar="DIR", help="also copy the patched wheel here")
+    c.add_argument("--work-dir", metavar="DIR", help="scratch dir (default: a temporary one, "
+                   "removed afterwards)")
+    c.add_argument("--keep", action="store_true", help="keep the temporary scratch dir")
+    c.add_argument("--check-timeout", type=float, default=3600.0, metavar="SECONDS",
+                   help="kill a round-trip/restore phase running longer than this")
     m = sub.add_parser("manifest", help="manifest tooling")
     msub = m.add_subparsers(dest="manifest_command", required=True)
     b = msub.add_parser("build", parents=[common], help="generate manifest.json from a wheel")
@@ -75,23 +118,45 @@ def _session(args, *, writes: bool) -> Iterator[tuple]:
     """Locate the target, take the lock, roll back any interrupted run, load
     the patch set; yields (discovery, patch set or None, recovered count)."""
     from . import resources
+    from .classify import patch_set_key
     from .manifest import find_patch_set
     from .target import discover
     from .transaction import JOURNAL, Lock, recover
 
-    disc = discover(args.python, args.site_packages)
+    # --site-packages wins when verify is given both (--python then only runs checks).
+    disc = discover(None if args.site_packages else args.python, args.site_packages)
     t = disc.target
     if t is None:
         yield disc, None, 0
         return
+    # A patched wheel's "0.5.3+hybridfa.r1" is looked up as 0.5.3.
+    version, set_hint = patch_set_key(t)
+    set_name = args.set_name or set_hint
     if not writes and not (t.state_dir / JOURNAL).exists():
         # Nothing to recover: a reader needs no lock (and works on a site dir
         # it cannot write).
-        yield disc, find_patch_set(resources.patches_root(), t.version, args.set_name), 0
+        yield disc, find_patch_set(resources.patches_root(), version, set_name), 0
         return
     with Lock(t.site):
         recovered = recover(t.state_dir) if t.state_dir.exists() else 0
-        yield disc, find_patch_set(resources.patches_root(), t.version, args.set_name), recovered
+        yield disc, find_patch_set(resources.patches_root(), version, set_name), recovered
+
+
+def _refuse_wheel_install(st, target, action: str) -> None:
+    """A patched-wheel install is patched at build time and its upstream
+    files were never on this machine: nothing here can be re-patched or
+    restored in place."""
+    from .wheelbuild import split_local
+
+    upstream = split_local(target.version)[0]
+    if action == "revert":
+        raise Refusal(target.dist_info, f"installed from the patched wheel lmcache "
+                      f"{target.version}: the upstream files were never on this machine; "
+                      f"reinstall the upstream wheel (pip install --force-reinstall --no-deps "
+                      f"lmcache=={upstream})")
+    raise Refusal(target.dist_info, f"installed from the patched wheel lmcache {target.version} "
+                  f"({st.state}): it is not patched in place; install the wheel you want "
+                  f"(`patchtool wheel lmcache=={upstream}`) or the upstream wheel")
 
 
 def _emit(args, kind: str, obj, code: int = 0) -> int:
@@ -112,7 +177,7 @@ def cmd_status(args) -> int:
 
 def cmd_apply(args) -> int:
     from . import actions
-    from .classify import classify
+    from .classify import PATCHED, classify
     from .target import require_target
 
     # A dry run takes the lock only to recover; it never creates anything.
@@ -121,6 +186,8 @@ def cmd_apply(args) -> int:
         st = classify(disc, pset, set_name=args.set_name)
         if pset is None:
             actions._refuse_state(st, target)
+        if st.wheel_build is not None and (st.state != PATCHED or args.patch is not None):
+            _refuse_wheel_install(st, target, "apply")
         res = actions.apply(target, pset, st, patch_id=args.patch, dry_run=args.dry_run)
         if res.action == "applied":
             res.state_after = classify(disc, pset).state
@@ -135,6 +202,8 @@ def cmd_revert(args) -> int:
     with _session(args, writes=not args.dry_run) as (disc, pset, _):
         target = require_target(disc)
         st = classify(disc, pset, set_name=args.set_name)
+        if st.wheel_build is not None:
+            _refuse_wheel_install(st, target, "revert")
         res = actions.revert(target, pset, st, dry_run=args.dry_run)
         if res.action == "reverted":
             res.state_after = classify(disc, pset).state
@@ -142,25 +211,88 @@ def cmd_revert(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from . import resources, verify_checks as vc
+    from . import resources, runner, verify_checks as vc
     from .classify import classify
 
     extra = []
+    if args.roundtrip:
+        extra.append(vc.ROUNDTRIP_CHECK)  # the cheaper check first
     if args.restore:
         name = vc.restore_check_name(args.restore)
         if name not in vc.REGISTRY:
-            raise Refusal(f"--restore {args.restore}", "not available yet in this version of "
+            raise Refusal(f"--restore {args.restore}", "not available in this version of "
                           "patchtool")
+        if args.restore == "gpu":
+            if not (resources.verify_root() / vc.GPU_GATE).is_file():
+                raise Refusal("--restore gpu", "needs a GPU machine: run verify/gpu_gate.py "
+                              "there (not shipped with this patchtool)")
+            if not args.passthrough:
+                raise Refusal("--restore gpu", "needs a GPU machine and a model: patchtool "
+                              "verify --restore gpu --python VENV/bin/python -- --model DIR "
+                              "[verify/gpu_gate.py options]")
         extra.append(name)
+    if args.python and args.site_packages and not extra:
+        raise Refusal("--site-packages", "give --python or --site-packages, not both (both "
+                      "only with --restore/--roundtrip: --python then runs the checks)",
+                      ExitCode.USAGE)
+    if args.preset and args.restore != "cpu":
+        raise Refusal("--preset", "applies only to --restore cpu", ExitCode.USAGE)
+    if args.passthrough and not args.restore:
+        raise Refusal("--", "arguments after -- are passed only to a --restore script",
+                      ExitCode.USAGE)
     with _session(args, writes=False) as (disc, pset, recovered):
         st = classify(disc, pset, deep=True, set_name=args.set_name)
         st.recovered_files = recovered
-        if disc.target is None:
-            res = vc.VerifyResult(False, st.state, ExitCode.NOT_INSTALLED, st)
-        else:
-            ctx = vc.CheckContext(disc.target, st, pset, resources.verify_root())
-            res = vc.run_verify(ctx, extra)
+    if disc.target is None:
+        res = vc.VerifyResult(False, st.state, ExitCode.NOT_INSTALLED, st)
+        return _emit(args, "verify", res, res.exit_code)
+    options: dict = {}
+    if extra:
+        # Refused here, before anything runs, when the interpreter cannot
+        # run the checks against THIS install.
+        what = "the restore checks"
+        options = {"env": runner.resolve(args.python, args.site_packages, disc.target.site,
+                                         what),
+                   "presets": args.preset or [], "extra_args": args.passthrough,
+                   "timeout": args.check_timeout, "echo": not args.json}
+    # The checks run outside the session: a long restore gate must not hold
+    # the install's lock.
+    ctx = vc.CheckContext(disc.target, st, pset, resources.verify_root(), options)
+    res = vc.run_verify(ctx, extra)
     return _emit(args, "verify", res, res.exit_code)
+
+
+def cmd_wheel(args) -> int:
+    import tempfile
+
+    from . import resources, wheelbuild
+
+    if not args.requirement and not args.from_wheel:
+        raise Refusal("wheel", "give lmcache==VERSION, or --from FILE.whl", ExitCode.USAGE)
+    version = wheelbuild.parse_pin(args.requirement)[0] if args.requirement else None
+    if args.from_wheel:
+        found = wheelbuild.wheel_version(Path(args.from_wheel))
+        if version is not None and found != version:
+            raise Refusal(args.from_wheel, f"is lmcache {found}, not {version}")
+        version = found
+    assert version is not None
+    pset = wheelbuild.locate_patch_set(resources.patches_root(), version, args.set_name)
+    with tempfile.TemporaryDirectory(prefix="patchtool-wheel-") as tmp:
+        src = Path(args.from_wheel) if args.from_wheel else \
+            wheelbuild.download(version, args.python or sys.executable, Path(tmp))
+        res = wheelbuild.build(src, pset, Path(args.output_dir))
+    return _emit(args, "wheel", res)
+
+
+def cmd_ci(args) -> int:
+    from .ci import run_ci
+
+    res = run_ci(pin=args.pin, requirements=args.requirements, wheel=args.wheel,
+                 python=args.python, set_name=args.set_name, presets=args.preset,
+                 vllm=args.vllm, allow_warnings=args.allow_warnings, work_dir=args.work_dir,
+                 keep=args.keep, output_dir=args.output_dir, timeout=args.check_timeout,
+                 echo=not args.json, roundtrip_matrix=args.roundtrip_matrix)
+    return _emit(args, "ci", res, res.exit_code)
 
 
 def cmd_list(args) -> int:
@@ -182,12 +314,23 @@ def cmd_manifest(args) -> int:
 
 
 COMMANDS = {"status": cmd_status, "apply": cmd_apply, "revert": cmd_revert,
-            "verify": cmd_verify, "list": cmd_list, "manifest": cmd_manifest}
+            "verify": cmd_verify, "list": cmd_list, "manifest": cmd_manifest,
+            "wheel": cmd_wheel, "ci": cmd_ci}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after `--` belongs to a restore script (verify --restore).
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
     args = build_parser().parse_args(argv)
+    args.passthrough = passthrough
     try:
+        if passthrough and args.command != "verify":
+            raise Refusal("--", "arguments after -- are passed only to verify --restore",
+                          ExitCode.USAGE)
         return COMMANDS[args.command](args)
     except Refusal as exc:
         from . import output

@@ -27,3 +27,20 @@ class ExitCode(IntEnum):
     CHECK_FAILED = 11
     # Another patchtool holds the lock and --no-wait was given.
     LOCKED = 12
+    # A restore check (verify --restore, verify --roundtrip, the ci gate's
+    # roundtrip/restore phases) ran to a verdict, and the verdict is FAIL.
+    RESTORE_FAILED = 13
+    # A restore check could not reach a verdict: the script errored, timed
+    # out or printed no report.  Kept apart from 13 so a CI can retry it.
+    RESTORE_ERROR = 14
+    # A wheel does not match the manifest: a target file's pre-image hash
+    # differs, or a member does not match the wheel's own RECORD.
+    WHEEL_MISMATCH = 15
+    # ci: no patch set for a pinned version newer than (or between) the
+    # versions the shipped sets cover: port the series or confirm an
+    # upstream fix.  (Older than every covered version: UNSUPPORTED_VERSION.)
+    NO_PATCH_SET = 16
+    # ci: pip could not download or install a wheel.
+    PIP_FAILED = 17
+    # ci: every phase passed but with warnings, and --allow-warnings was not given.
+    CI_WARNINGS = 18

@@ -134,9 +134,10 @@ def _render_revert(console, r) -> None:
 def _render_verify(console, r) -> None:
     _render_status(console, r.status)
     t = _table("check", "result", "detail")
+    words = {"pass": "[green]ok[/]", "fail": "[red]FAILED[/]", "error": "[red]ERROR[/]",
+             "skipped": "[yellow]skipped[/]"}
     for c in r.checks:
-        t.add_row(c.name, _styled("ok" if c.ok else "mismatch").replace("mismatch", "FAILED"),
-                  c.detail)
+        t.add_row(c.name, words[c.outcome], c.detail)
     if r.checks:
         console.print(t)
     console.print(f"verify      : [bold]{'OK' if r.ok else 'NOT OK'}[/] ({r.verdict})")
@@ -155,5 +156,44 @@ def _render_manifest(console, r) -> None:
                   f"{r.revision}, {r.patches} patch(es), {r.files} file(s)")
 
 
+def _render_wheel(console, r) -> None:
+    src = r.source
+    console.print(f"source      : {src['filename']} (sha256 {src['sha256']}; verified by "
+                  f"{src['verified_by']})")
+    console.print(f"patch set   : {r.patch_set} revision {r.revision}, {len(r.files)} file(s) "
+                  "patched")
+    for w in r.warnings:
+        console.print(f"[yellow]warning[/]     : {w}")
+    console.print(f"wrote       : {r.path}")
+    console.print(f"version     : {r.version}")
+    console.print(f"sha256      : {r.sha256}")
+    console.print(f"pin         : {r.requirement}")
+
+
+_CI_STYLE = {"pass": "green", "warn": "yellow", "fail": "red", "error": "red",
+             "skipped": "dim"}
+
+
+def _render_ci(console, r) -> None:
+    t = _table("phase", "result", "seconds", "detail")
+    for p in r.phases:
+        style = _CI_STYLE.get(p.result, "")
+        code = f" (exit {p.exit_code})" if p.exit_code else ""
+        t.add_row(p.phase, f"[{style}]{p.result}[/]{code}",
+                  f"{p.seconds:.1f}" if p.result != "skipped" else "-", p.detail)
+    console.print(t)
+    for w in r.warnings:
+        console.print(f"[yellow]warning[/]: {w}")
+    if r.wheel:
+        console.print(f"wheel       : {r.wheel.get('path') or r.wheel['filename']}")
+        console.print(f"pin         : {r.wheel['requirement']}")
+    if r.work_dir:
+        console.print(f"work dir    : {r.work_dir}")
+    ok = "[green]PASS[/]" if r.ok else "[red]FAIL[/]"
+    why = "" if r.verdict == "pass" else f" ({r.verdict})"
+    console.print(f"ci          : [bold]{ok}[/]{why} in {r.total_seconds:.1f} s")
+
+
 _RENDERERS = {"status": _render_status, "apply": _render_apply, "revert": _render_revert,
-              "verify": _render_verify, "list": _render_list, "manifest": _render_manifest}
+              "verify": _render_verify, "list": _render_list, "manifest": _render_manifest,
+              "wheel": _render_wheel, "ci": _render_ci}

@@ -3,14 +3,20 @@
 A check is a function taking a :class:`CheckContext` and returning a
 :class:`CheckResult`.  ``verify`` runs :data:`DEFAULT_CHECKS` on a patched
 install; ``verify --restore MODE`` additionally runs the check registered as
-``restore-MODE`` and refuses when none is registered yet.  A restore check
-registers itself with::
+``restore-MODE``, and ``verify --roundtrip`` the one registered as
+``roundtrip-cpu``.  These run only when the hash checks passed: a restore
+check of files that are not the manifest's proves nothing.
 
-    from patchtool.verify_checks import register
+The restore checks run a script from ``ctx.verify_root`` by path in the
+target environment (``patchtool.runner``; ``ctx.options["env"]``); this
+module never imports lmcache or torch.
 
-    @register("restore-cpu")
-    def restore_cpu(ctx): ...  # run a script from ctx.verify_root by path
-                               # in ctx.target.python; never import lmcache here
+* ``restore-cpu``   ``verify/restore_gate.py``: store, SIGKILL the real
+  ``lmcache server``, restart it on the same fs L2, restore byte-exact.
+* ``roundtrip-cpu`` ``verify/roundtrip.py --matrix fast``: the in-process
+  store/retrieve harness over the preset geometries.
+* ``restore-gpu``   ``verify/gpu_gate.py`` with the arguments given after
+  ``--`` (it needs a GPU machine and a model).
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ class CheckContext:
     status: Status
     patch_set: PatchSetDir | None
     verify_root: Path  # the shipped verify/ scripts (patchtool.resources)
+    # For the restore checks: "env" (runner.RunEnv), "presets", "extra_args"
+    # (after `--`), "timeout" (seconds), "echo" (stream progress to stderr).
+    options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -38,6 +47,15 @@ class CheckResult:
     ok: bool
     detail: str
     data: dict = field(default_factory=dict)
+    # ok=False with error=True: the check could not reach a verdict (the
+    # script crashed, timed out or wrote no report); skipped: not run.
+    error: bool = False
+    skipped: bool = False
+
+    @property
+    def outcome(self) -> str:
+        return ("skipped" if self.skipped else "error" if self.error else
+                "pass" if self.ok else "fail")
 
 
 CheckFn = Callable[[CheckContext], CheckResult]
@@ -55,6 +73,11 @@ def register(name: str) -> Callable[[CheckFn], CheckFn]:
 
 def restore_check_name(mode: str) -> str:
     return f"restore-{mode}"
+
+
+ROUNDTRIP_CHECK = "roundtrip-cpu"
+RESTORE_CHECKS = ("restore-cpu", "restore-gpu", ROUNDTRIP_CHECK)
+GPU_GATE = "gpu_gate.py"
 
 
 @register("files")
@@ -102,9 +125,121 @@ def run_verify(ctx: CheckContext, extra: list[str]) -> VerifyResult:
     st = ctx.status
     if st.state != PATCHED:
         return VerifyResult(False, st.state, by_state[st.state], st)
-    checks = [REGISTRY[name](ctx) for name in (*DEFAULT_CHECKS, *extra)]
+    checks = [REGISTRY[name](ctx) for name in DEFAULT_CHECKS]
     failed = [c.name for c in checks if not c.ok]
     if failed:
+        checks += [CheckResult(name, False, "not run: the hash checks failed", skipped=True)
+                   for name in extra]
         return VerifyResult(False, f"check failed: {', '.join(failed)}", ExitCode.CHECK_FAILED,
                             st, checks)
+    checks += [REGISTRY[name](ctx) for name in extra]
+    failed = [c.name for c in checks if c.outcome == "fail"]
+    errors = [c.name for c in checks if c.outcome == "error"]
+    if failed:  # a real FAIL outranks a check that could not decide
+        return VerifyResult(False, f"restore check failed: {', '.join(failed)}",
+                            ExitCode.RESTORE_FAILED, st, checks)
+    if errors:
+        return VerifyResult(False, f"restore check error: {', '.join(errors)}",
+                            ExitCode.RESTORE_ERROR, st, checks)
     return VerifyResult(True, PATCHED, ExitCode.OK, st, checks)
+
+
+# ---------------------------------------------------------------- restore checks
+
+
+def _script_data(run) -> dict:
+    return {"script": run.script, "exit_code": run.exit_code, "seconds": run.seconds,
+            "python": run.python, "pythonpath": run.pythonpath, "argv": run.argv,
+            "report": run.report}
+
+
+def _no_verdict(name: str, run, data: dict) -> CheckResult | None:
+    """The common "could not reach a verdict" outcomes of a script run."""
+    if run.timed_out:
+        detail = f"{run.script} timed out after {run.seconds:.0f} s (killed)"
+    elif run.report is None:
+        last = next((ln for ln in reversed(run.stderr_tail) if ln.strip()), "no output")
+        detail = f"{run.script} exited {run.exit_code} without a report: {last.strip()}"
+    else:
+        return None
+    data["stderr_tail"] = run.stderr_tail
+    return CheckResult(name, False, detail, data, error=True)
+
+
+@register("restore-cpu")
+def _restore_cpu(ctx: CheckContext) -> CheckResult:
+    from . import runner
+
+    o = ctx.options
+    args = [a for p in o.get("presets") or [] for a in ("--preset", p)]
+    if not o.get("echo"):
+        args.append("--quiet")
+    run = runner.run_script(o["env"], ctx.verify_root / "restore_gate.py",
+                            [*args, *o.get("extra_args", [])], "--json-out",
+                            timeout=o.get("timeout"), echo=bool(o.get("echo")))
+    data = _script_data(run)
+    bad = _no_verdict("restore-cpu", run, data)
+    if bad is not None:
+        return bad
+    rep = run.report
+    verdict, reason = rep.get("verdict"), str(rep.get("reason", "")).splitlines()[0:1]
+    detail = f"restore gate {str(verdict).upper()}: {reason[0] if reason else ''} " \
+             f"({run.seconds:.1f} s)"
+    if verdict == "pass" and run.exit_code == 0:
+        return CheckResult("restore-cpu", True, detail, data)
+    if verdict == "fail":
+        return CheckResult("restore-cpu", False, detail, data)
+    data["stderr_tail"] = run.stderr_tail
+    return CheckResult("restore-cpu", False, detail, data, error=True)
+
+
+@register(ROUNDTRIP_CHECK)
+def _roundtrip(ctx: CheckContext) -> CheckResult:
+    from . import runner
+
+    o = ctx.options
+    # The harness logs LMCache's output on stderr: kept in the tail, not echoed.
+    run = runner.run_script(o["env"], ctx.verify_root / "roundtrip.py",
+                            ["--matrix", o.get("matrix", "fast")], "--out",
+                            timeout=o.get("timeout"))
+    data = _script_data(run)
+    bad = _no_verdict(ROUNDTRIP_CHECK, run, data)
+    if bad is not None:
+        return bad
+    cells = run.report.get("cells", [])
+    errors = [c for c in cells if "error" in c]
+    failed = [c for c in cells if not c.get("verdict", {}).get("pass")]
+    passed = len(cells) - len(failed)
+    if run.exit_code != 0 or errors or not cells:
+        why = errors[0]["error"] if errors else f"exit {run.exit_code}, {len(cells)} cells"
+        data["stderr_tail"] = run.stderr_tail
+        return CheckResult(ROUNDTRIP_CHECK, False, f"round-trip harness error: {why}", data,
+                           error=True)
+    if failed:
+        c = failed[0]
+        reasons = "; ".join(c.get("verdict", {}).get("reasons", [])[:2])
+        return CheckResult(ROUNDTRIP_CHECK, False, f"{passed}/{len(cells)} cells byte-exact; "
+                           f"{c.get('name')}: {reasons}", data)
+    return CheckResult(ROUNDTRIP_CHECK, True, f"{passed}/{len(cells)} cells restored "
+                       f"byte-exact ({run.seconds:.1f} s)", data)
+
+
+@register("restore-gpu")
+def _restore_gpu(ctx: CheckContext) -> CheckResult:
+    from . import runner
+
+    o = ctx.options
+    run = runner.run_script(o["env"], ctx.verify_root / GPU_GATE, list(o.get("extra_args", [])),
+                            "--out", timeout=o.get("timeout"), echo=bool(o.get("echo")))
+    data = _script_data(run)
+    bad = _no_verdict("restore-gpu", run, data)
+    if bad is not None:
+        return bad
+    # gpu_gate.py: 0 pass, 20 fail, 21 inconclusive, 22 aborted.
+    detail = f"gpu gate exit {run.exit_code} ({run.seconds:.0f} s)"
+    if run.exit_code == 0:
+        return CheckResult("restore-gpu", True, detail, data)
+    if run.exit_code == 20:
+        return CheckResult("restore-gpu", False, detail, data)
+    data["stderr_tail"] = run.stderr_tail
+    return CheckResult("restore-gpu", False, detail, data, error=True)

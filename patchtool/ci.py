@@ -1,0 +1,307 @@
+"""``patchtool ci``: the deployment gate.
+
+From a pin (``--pin lmcache==X``, ``--requirements FILE`` or ``--wheel
+FILE``) it resolves the lmcache version, finds its patch set, fetches the
+real wheel, builds the patched wheel (``wheelbuild``), installs it into a
+scratch ``--target`` dir, checks the install is ``patched``, and runs the
+round-trip harness and the CPU restore gate against it in ``--python`` (an
+interpreter with torch and lmcache's dependencies; the scratch dir goes
+first on its PYTHONPATH).  Each phase is timed; the first failure decides
+the exit code; later phases are skipped.  Warnings (a wheel unknown to the
+manifest whose files still match, a deployment vLLM the patch set was not
+verified with, a requirements pin the rebuild does not reproduce) fail the
+gate unless ``--allow-warnings``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import Refusal
+from .exitcodes import ExitCode
+
+PASS, FAIL, ERROR, WARN, SKIPPED = "pass", "fail", "error", "warn", "skipped"
+PHASES = ("resolve", "patch-set", "fetch", "build", "install", "verify", "roundtrip", "restore")
+
+
+@dataclass
+class Phase:
+    phase: str
+    result: str  # pass | warn | fail | error | skipped
+    seconds: float
+    detail: str = ""
+    exit_code: int = 0
+    data: dict = field(default_factory=dict)
+
+
+@dataclass
+class CiResult:
+    ok: bool
+    verdict: str
+    exit_code: int
+    source: str  # what was gated: the pin, the requirements file or the wheel
+    lmcache_version: str | None = None
+    patch_set: str | None = None
+    revision: int | None = None
+    python: str | None = None
+    wheel: dict | None = None  # the built wheel (WheelBuild)
+    warnings: list[str] = field(default_factory=list)
+    phases: list[Phase] = field(default_factory=list)
+    work_dir: str | None = None
+    total_seconds: float = 0.0
+
+
+@dataclass
+class Pin:
+    version: str
+    source: str
+    requirement: str | None  # the lmcache line as given
+    pinned_local: str | None = None  # "0.5.3+hybridfa.r1" when the file pins a patched build
+    pinned_hashes: list[str] = field(default_factory=list)
+    vllm: str | None = None  # the deployment's vLLM pin, when the file has one
+
+
+def parse_requirements(path: Path) -> Pin:
+    """The exact lmcache pin (and a vllm pin, if any) of a requirements file.
+    Options lines (``-r``, ``--index-url``) are skipped; ``--hash`` options
+    on the lmcache line are kept to compare with the rebuilt wheel."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    from .wheelbuild import parse_pin, split_local
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise Refusal(path, f"cannot read: {exc.strerror or exc}") from None
+    logical = text.replace("\\\r\n", " ").replace("\\\n", " ")
+    lmcache: list[tuple[str, list[str]]] = []
+    vllm = None
+    for raw in logical.splitlines():
+        line = raw.split(" #", 1)[0].strip()
+        if not line or line.startswith(("#", "-")):
+            continue
+        parts = line.split(" --")
+        spec, opts = parts[0].strip(), parts[1:]
+        try:
+            req = Requirement(spec)
+        except InvalidRequirement as exc:
+            raise Refusal(path, f"cannot parse {spec!r} ({exc})") from None
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        name = canonicalize_name(req.name)
+        if name == "lmcache":
+            hashes = [o.split("=", 1)[1].strip().removeprefix("sha256:") for o in opts
+                      if o.startswith("hash=")]
+            lmcache.append((spec, hashes))
+        elif name == "vllm":
+            pins = [s.version for s in req.specifier if s.operator in ("==", "===")]
+            vllm = pins[0] if pins else None
+    if not lmcache:
+        raise Refusal(path, "does not pin lmcache")
+    if len(lmcache) > 1:
+        raise Refusal(path, "has several lmcache lines")
+    spec, hashes = lmcache[0]
+    version, _ = parse_pin(spec)
+    public, tag, _ = split_local(version)
+    return Pin(public, str(path), spec, version if tag else None, hashes, vllm)
+
+
+class _Gate:
+    """Runs the phases; owns the timing and the first-failure rule."""
+
+    def __init__(self, result: CiResult) -> None:
+        self.result = result
+        self.failed = False
+
+    def run(self, name: str, fn: Callable[[Phase], Any]) -> Any:
+        ph = Phase(name, PASS, 0.0)
+        self.result.phases.append(ph)
+        if self.failed:
+            ph.result, ph.detail = SKIPPED, "an earlier phase failed"
+            return None
+        started = time.monotonic()
+        try:
+            value = fn(ph)
+        except Refusal as exc:
+            ph.result, ph.exit_code = FAIL, int(exc.code)
+            ph.detail = f"{exc.file}: {exc.reason}"
+            value = None
+        ph.seconds = round(time.monotonic() - started, 3)
+        if ph.result in (FAIL, ERROR):
+            self.failed = True
+            if not self.result.exit_code:
+                self.result.exit_code = ph.exit_code or int(ExitCode.REFUSED)
+        return value
+
+    def warn(self, ph: Phase, text: str) -> None:
+        ph.result = WARN if ph.result == PASS else ph.result
+        self.result.warnings.append(text)
+
+
+def run_ci(*, pin: str | None, requirements: str | None, wheel: str | None,
+           python: str | None, set_name: str | None, presets: list[str] | None,
+           vllm: str | None, allow_warnings: bool, work_dir: str | None, keep: bool,
+           output_dir: str | None, timeout: float | None, echo: bool,
+           roundtrip_matrix: str = "fast") -> CiResult:
+    from . import resources, runner, verify_checks as vc, wheelbuild
+    from .classify import classify
+    from .manifest import STATE_FIXED_UPSTREAM
+    from .target import discover
+
+    started = time.monotonic()
+    source = pin or requirements or wheel or ""
+    res = CiResult(False, "", 0, source)
+    exe = python or sys.executable
+    res.python = exe
+    # Input that cannot work is refused up front, in one line, before any
+    # phase: a missing file, or an interpreter without torch.
+    if wheel is not None and not Path(wheel).is_file():
+        raise Refusal(wheel, "no such wheel file")
+    if requirements is not None and not Path(requirements).is_file():
+        raise Refusal(requirements, "no such requirements file")
+    probe = runner.resolve(python, None, None, "the ci gate's round-trip and restore phases").probe
+
+    scratch = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="patchtool-ci-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    res.work_dir = str(scratch)
+    gate = _Gate(res)
+    ctx: dict[str, Any] = {}
+    try:
+        def resolve(ph: Phase) -> None:
+            if pin is not None:
+                version, _ = wheelbuild.parse_pin(pin)
+                public, tag, _ = wheelbuild.split_local(version)
+                ctx["pin"] = Pin(public, pin, pin, version if tag else None)
+            elif requirements is not None:
+                ctx["pin"] = parse_requirements(Path(requirements))
+            else:
+                ctx["pin"] = Pin(wheelbuild.wheel_version(Path(wheel)), wheel, None)
+            p = ctx["pin"]
+            res.lmcache_version = p.version
+            ctx["vllm"] = vllm or p.vllm or probe.get("vllm")
+            ph.detail = f"lmcache {p.version}" + (f" (pinned as {p.pinned_local})"
+                                                  if p.pinned_local else "") + \
+                (f", vLLM {ctx['vllm']}" if ctx["vllm"] else ", vLLM not pinned")
+            ph.data = {"version": p.version, "requirement": p.requirement, "vllm": ctx["vllm"]}
+
+        def patch_set(ph: Phase) -> None:
+            pset = wheelbuild.locate_patch_set(resources.patches_root(), res.lmcache_version,
+                                               set_name)
+            m = pset.manifest
+            res.patch_set, res.revision = pset.name, m.revision
+            if m.state == STATE_FIXED_UPSTREAM:
+                raise Refusal(pset.path / "manifest.json", f"lmcache {pset.version} needs no "
+                              f"patch: {m.reason}", ExitCode.FIXED_UPSTREAM)
+            ctx["pset"] = pset
+            ph.detail = (f"{pset.name} revision {m.revision}, {len(m.patches)} patches, "
+                         f"vLLM verified: {', '.join(m.vllm_versions) or '-'}")
+            ph.data = {"path": str(pset.path), "vllm_versions": m.vllm_versions}
+            dep = ctx.get("vllm")
+            if dep and dep not in m.vllm_versions:
+                gate.warn(ph, f"the deployment's vLLM {dep} is not among the versions the patch "
+                          f"set was verified with ({', '.join(m.vllm_versions) or 'none'})")
+
+        def fetch(ph: Phase) -> None:
+            if wheel is not None:
+                ctx["wheel"] = Path(wheel)
+                ph.detail = f"local file {Path(wheel).name}"
+                return
+            ctx["wheel"] = wheelbuild.download(res.lmcache_version, exe, scratch / "download")
+            ph.detail = f"downloaded {ctx['wheel'].name}"
+
+        def build(ph: Phase) -> None:
+            b = wheelbuild.build(ctx["wheel"], ctx["pset"], scratch / "wheel")
+            ctx["build"] = b
+            res.wheel = {k: getattr(b, k) for k in ("filename", "sha256", "version",
+                                                    "requirement", "source")}
+            ph.detail = f"{b.filename} sha256 {b.sha256[:16]}… (source verified by {b.source['verified_by']})"
+            for w in b.warnings:
+                gate.warn(ph, w)
+            p = ctx["pin"]
+            if p.pinned_local and p.pinned_local != b.version:
+                gate.warn(ph, f"the requirements pin {p.pinned_local}, but the shipped patch "
+                          f"set builds {b.version}")
+            if p.pinned_hashes and b.sha256 not in p.pinned_hashes:
+                gate.warn(ph, f"the requirements' --hash for lmcache does not match the rebuilt "
+                          f"wheel (sha256 {b.sha256})")
+            if output_dir:
+                dest = Path(output_dir)
+                dest.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(b.path, dest / b.filename)
+                res.wheel["path"] = str(dest / b.filename)
+
+        def install(ph: Phase) -> None:
+            site = scratch / "site"
+            shutil.rmtree(site, ignore_errors=True)
+            cmd = [exe, "-m", "pip", "install", "--no-deps", "--no-index",
+                   "--disable-pip-version-check", "-q", "--target", str(site),
+                   ctx["build"].path]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            if proc.returncode != 0:
+                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise Refusal(ctx["build"].filename, f"pip install --target failed: {last}",
+                              ExitCode.PIP_FAILED)
+            ctx["site"] = site
+            ph.detail = f"pip install --no-deps --target {site}"
+
+        def verify(ph: Phase) -> None:
+            disc = discover(None, str(ctx["site"]))
+            st = classify(disc, ctx["pset"], deep=True)
+            assert disc.target is not None
+            vr = vc.run_verify(vc.CheckContext(disc.target, st, ctx["pset"],
+                                               resources.verify_root()), [])
+            ph.data = {"state": st.state, "checks": [c.name for c in vr.checks if c.ok]}
+            if not vr.ok:
+                ph.result, ph.exit_code = FAIL, vr.exit_code
+                ph.detail = f"installed wheel is {vr.verdict}: {st.detail}"
+                return
+            rec = st.record
+            ph.detail = f"status patched, {rec.checked if rec else 0} RECORD rows verified"
+            ctx["env"] = runner.resolve(exe, str(ctx["site"]), ctx["site"],
+                                        "the ci gate's round-trip and restore phases")
+            ctx["vctx"] = vc.CheckContext(disc.target, st, ctx["pset"], resources.verify_root(),
+                                          {"env": ctx["env"], "presets": presets or [],
+                                           "timeout": timeout, "echo": echo,
+                                           "matrix": roundtrip_matrix})
+
+        def check(name: str) -> Callable[[Phase], None]:
+            def run(ph: Phase) -> None:
+                c = vc.REGISTRY[name](ctx["vctx"])
+                ph.detail, ph.data = c.detail, c.data
+                if not c.ok:
+                    ph.result = ERROR if c.error else FAIL
+                    ph.exit_code = ExitCode.RESTORE_ERROR if c.error else ExitCode.RESTORE_FAILED
+            return run
+
+        gate.run("resolve", resolve)
+        gate.run("patch-set", patch_set)
+        gate.run("fetch", fetch)
+        gate.run("build", build)
+        gate.run("install", install)
+        gate.run("verify", verify)
+        gate.run("roundtrip", check(vc.ROUNDTRIP_CHECK))
+        gate.run("restore", check("restore-cpu"))
+    finally:
+        if not keep and work_dir is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+            res.work_dir = None
+    res.total_seconds = round(time.monotonic() - started, 3)
+    if gate.failed:
+        bad = next(p for p in res.phases if p.result in (FAIL, ERROR))
+        res.verdict = f"{bad.result}: {bad.phase}"
+    elif res.warnings and not allow_warnings:
+        res.exit_code = int(ExitCode.CI_WARNINGS)
+        res.verdict = f"fail: {len(res.warnings)} warning(s) (--allow-warnings accepts them)"
+    else:
+        res.ok, res.exit_code = True, int(ExitCode.OK)
+        res.verdict = "pass" + (f" with {len(res.warnings)} accepted warning(s)"
+                                if res.warnings else "")
+    return res

@@ -1,0 +1,453 @@
+"""``patchtool wheel``: rebuild the real lmcache wheel with the patch series
+applied, as a new wheel with a PEP 440 local version (``0.5.3+hybridfa.r1``).
+
+The source wheel is checked against the manifest first: its sha256, and in
+any case every target file's pre-image hash and every member against the
+wheel's own RECORD (a tampered member must not be laundered into a freshly
+hashed RECORD).  The series is applied in memory by the tool's own applier;
+each result must equal the manifest's post-image.  The new wheel has
+
+* a renamed dist-info directory and ``Version:`` in METADATA,
+* every RECORD row of the source, in order (renamed, the changed files' rows
+  rehashed), plus a row for the provenance file, with the source's line ends,
+* WHEEL kept byte for byte,
+* ``<dist-info>/lmcache_patchtool.json``: what was applied to what.
+
+Output is deterministic (see ``wheelzip``): same source wheel, same series,
+same tool version give the same sha256 on any machine, so it can be pinned
+with ``--hash`` in a requirements file.
+
+Module-level imports stay light: ``classify`` (on the ``status`` path) uses
+the local-version helpers below.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .errors import Refusal
+from .exitcodes import ExitCode
+
+PROVENANCE_FILE = "lmcache_patchtool.json"
+PROVENANCE_SCHEMA = "lmcache-patchtool/wheel-provenance/v1"
+DIST = "lmcache"
+# The local version segment this tool writes: "<set, alphanumerics only>.r<revision>".
+_LOCAL = re.compile(r"^(?P<public>[^+]+)\+(?P<tag>[a-z0-9]+)\.r(?P<rev>[0-9]+)$")
+# Signature files a wheel may carry next to RECORD; RECORD lists them without a hash.
+_UNHASHED_DIST_INFO = ("RECORD", "RECORD.jws", "RECORD.p7s")
+
+
+def local_tag(set_name: str, revision: int) -> str:
+    """``hybrid-fa``, 1 -> ``hybridfa.r1`` (PEP 440 local segments: [a-z0-9])."""
+    return re.sub(r"[^a-z0-9]", "", set_name.lower()) + f".r{revision}"
+
+
+def split_local(version: str) -> tuple[str, str | None, int | None]:
+    """``0.5.3+hybridfa.r1`` -> (``0.5.3``, ``hybridfa``, 1); a version
+    without this tool's local tag -> (version, None, None)."""
+    m = _LOCAL.match(version)
+    if not m:
+        return version, None, None
+    return m["public"], m["tag"], int(m["rev"])
+
+
+def parse_pin(text: str) -> tuple[str, str]:
+    """``lmcache==X`` -> (X, the requirement as given).  Anything but one
+    exact ``==``/``===`` pin of lmcache is refused: the gate must know which
+    wheel it tests."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    try:
+        req = Requirement(text)
+    except InvalidRequirement as exc:
+        raise Refusal(text, f"not a valid requirement ({exc})") from None
+    if canonicalize_name(req.name) != DIST:
+        raise Refusal(text, f"is a requirement of {req.name!r}, not lmcache")
+    specs = list(req.specifier)
+    if req.url or len(specs) != 1 or specs[0].operator not in ("==", "===") \
+            or "*" in specs[0].version:
+        raise Refusal(text, "needs an exact pin: lmcache==VERSION")
+    return specs[0].version, text
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def download(version: str, python: str, dest: Path) -> Path:
+    """``pip download`` the real wheel (binary only, no deps) with ``python``'s
+    pip, so the wheel's tags match that interpreter."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-q", "-d", str(dest), f"{DIST}=={version}"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise Refusal(f"{DIST}=={version}", f"pip download failed: {exc}",
+                      ExitCode.PIP_FAILED) from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise Refusal(f"{DIST}=={version}", f"pip download failed: {last}", ExitCode.PIP_FAILED)
+    found = sorted(dest.glob(f"{DIST}-{version}-*.whl"))
+    if len(found) != 1:
+        raise Refusal(dest, f"pip download left {len(found)} lmcache {version} wheels",
+                      ExitCode.PIP_FAILED)
+    return found[0]
+
+
+@dataclass
+class WheelBuild:
+    path: str
+    filename: str
+    sha256: str
+    version: str  # the new version, with the local tag
+    lmcache_version: str  # upstream
+    patch_set: str
+    revision: int
+    requirement: str  # a requirements-file line pinning the built wheel by hash
+    source: dict  # {filename, sha256, verified_by}
+    warnings: list[str] = field(default_factory=list)
+    files: dict = field(default_factory=dict)  # path -> {pre, post} (RECORD-form hashes)
+    members: int = 0
+    record_rows: int = 0
+
+
+@dataclass
+class _Source:
+    dist_info: str  # "lmcache-0.5.3.dist-info"
+    version: str
+    rows: list  # RecordRow, in order
+    line_end: str
+
+
+def _read_source(zf, wheel: Path) -> _Source:
+    from .record import parse_record
+
+    records = [n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/RECORD")]
+    if len(records) != 1:
+        raise Refusal(wheel, "not a wheel: expected exactly one *.dist-info/RECORD")
+    dist_info = records[0].split("/")[0]
+    meta = zf.read(f"{dist_info}/METADATA").decode("utf-8", "replace")
+    headers = meta.split("\n\n", 1)[0].splitlines()
+    name = next((h.split(":", 1)[1].strip() for h in headers if h.lower().startswith("name:")), "")
+    version = next((h.split(":", 1)[1].strip() for h in headers
+                    if h.lower().startswith("version:")), "")
+    if name.lower() != DIST:
+        raise Refusal(wheel, f"is a wheel of {name!r}, not lmcache")
+    if split_local(version)[1] is not None or f"{dist_info}/{PROVENANCE_FILE}" in zf.namelist():
+        raise Refusal(wheel, f"is already a patched wheel (lmcache {version}); build from the "
+                      "upstream wheel")
+    raw = zf.read(records[0])
+    return _Source(dist_info, version, parse_record(raw), "\r\n" if b"\r\n" in raw else "\n")
+
+
+def check_source(zf, wheel: Path, sha: str, src: _Source,
+                 manifest) -> tuple[str, list[str], dict]:
+    """Refuse (WHEEL_MISMATCH) unless every target file is the manifest's
+    pre-image and every member matches the wheel's RECORD.  Returns
+    (verified_by, warnings, {path: pristine bytes})."""
+    from .manifest import FileHash
+    from .record import record_hash
+
+    names = set(zf.namelist())
+    pristine: dict[str, bytes] = {}
+    for path in manifest.files:
+        pre = manifest.hash_after(path, 0)
+        if path not in names:
+            raise Refusal(wheel, f"has no {path}, which the patch set edits",
+                          ExitCode.WHEEL_MISMATCH)
+        data = zf.read(path)
+        got = FileHash.of(data)
+        if got != pre:
+            raise Refusal(wheel, f"{path} has {got.hash} (size {got.size}), but the manifest's "
+                          f"pre-image is {pre.hash} (size {pre.size}): this is not the wheel "
+                          "the patch set was built from", ExitCode.WHEEL_MISMATCH)
+        pristine[path] = data
+    # Every member against the wheel's own RECORD: the rebuilt RECORD keeps
+    # these rows, so a member that does not match must not slip through.
+    rows = {r.path: r for r in src.rows}
+    for info in zf.infolist():
+        if info.is_dir():
+            continue
+        row = rows.get(info.filename)
+        if info.filename.startswith(src.dist_info + "/") and \
+                info.filename.rsplit("/", 1)[1] in _UNHASHED_DIST_INFO:
+            continue
+        if row is None or not row.hash:
+            raise Refusal(wheel, f"{info.filename} has no hashed RECORD row",
+                          ExitCode.WHEEL_MISMATCH)
+        data = zf.read(info)
+        if row.hash != record_hash(data) or (row.size and int(row.size) != len(data)):
+            raise Refusal(wheel, f"{info.filename} does not match the wheel's own RECORD "
+                          "(the wheel was modified after it was built)", ExitCode.WHEEL_MISMATCH)
+    missing = sorted(p for p, r in rows.items() if r.hash and p not in names)
+    if missing:
+        raise Refusal(wheel, f"RECORD lists {missing[0]}, which the wheel does not contain",
+                      ExitCode.WHEEL_MISMATCH)
+    warnings = []
+    if sha == manifest.wheel.get("sha256"):
+        verified_by = "wheel sha256"
+    else:
+        verified_by = "per-file pre-images"
+        warnings.append(f"wheel {wheel.name} (sha256 {sha}) is not the wheel the manifest was "
+                        f"built from ({manifest.wheel.get('filename')}, sha256 "
+                        f"{manifest.wheel.get('sha256')}); accepted because every target file "
+                        "matches its pre-image hash")
+    return verified_by, warnings, pristine
+
+
+def _new_filename(wheel: Path, old_version: str, new_version: str) -> str:
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+
+    try:
+        parse_wheel_filename(wheel.name)
+    except InvalidWheelFilename as exc:
+        raise Refusal(wheel, f"not a valid wheel file name ({exc})") from None
+    parts = wheel.name[: -len(".whl")].split("-")
+    if parts[1] != old_version:
+        raise Refusal(wheel, f"file name says version {parts[1]}, METADATA says {old_version}")
+    parts[1] = new_version
+    return "-".join(parts) + ".whl"
+
+
+def _metadata_with_version(data: bytes, version: str) -> bytes:
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.strip(b"\r"):
+            break  # end of the header block: the body may say anything
+        if line.lower().startswith(b"version:"):
+            end = b"\r" if line.endswith(b"\r") else b""
+            lines[i] = b"Version: " + version.encode() + end
+            return b"\n".join(lines)
+    raise Refusal("METADATA", "has no Version header")
+
+
+def _render_rows(rows: list, line_end: str) -> bytes:
+    import csv
+    import io
+
+    out = io.StringIO(newline="")
+    writer = csv.writer(out, lineterminator=line_end)
+    for r in rows:
+        writer.writerow([r.path, r.hash, r.size])
+    return out.getvalue().encode("utf-8")
+
+
+def build(wheel: Path, pset, out_dir: Path) -> WheelBuild:
+    """Build the patched wheel of ``wheel`` with patch set ``pset`` into
+    ``out_dir``; refuses (nothing written) when the wheel does not match."""
+    import zipfile
+
+    from . import wheelzip
+    from .applier import APPLIES, apply_series
+    from .manifest import STATE_FIXED_UPSTREAM, FileHash
+    from .record import RecordRow
+
+    wheel = Path(wheel)
+    if not wheel.is_file():
+        raise Refusal(wheel, "no such wheel file")
+    m = pset.manifest
+    if m.state == STATE_FIXED_UPSTREAM:
+        raise Refusal(pset.path / "manifest.json", f"lmcache {pset.version} needs no patch: "
+                      f"{m.reason}", ExitCode.FIXED_UPSTREAM)
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise Refusal(wheel, f"not a readable zip ({exc})") from None
+    with zf, open(wheel, "rb") as raw:
+        src = _read_source(zf, wheel)
+        if src.version != pset.version:
+            raise Refusal(wheel, f"is lmcache {src.version}, but the patch set is for "
+                          f"{pset.version}")
+        src_sha = sha256_of(wheel)
+        verified_by, warnings, pristine = check_source(zf, wheel, src_sha, src, m)
+
+        series = apply_series(pset.load_patches(), lambda p: pristine.get(p))
+        bad = [r for r in series.results if r.status != APPLIES]
+        if bad:
+            raise Refusal(pset.path / f"{bad[0].patch}.patch", f"{bad[0].path}: {bad[0].status} "
+                          "on the pristine wheel file; rebuild the manifest")
+        patched: dict[str, bytes] = {}
+        for path in m.files:
+            out = series.files.get(path)
+            want = m.hash_after(path, len(m.patches))
+            if out is None or FileHash.of(out) != want:
+                raise Refusal(pset.path / "manifest.json", f"applying the series to {path} does "
+                              f"not give the manifest's post-image {want.hash}")
+            patched[path] = out
+
+        new_version = f"{src.version}+{local_tag(pset.name, m.revision)}"
+        new_di = f"{DIST}-{new_version}.dist-info"
+        filename = _new_filename(wheel, src.version, new_version)
+
+        def rename(name: str) -> str:
+            return new_di + name[len(src.dist_info):] if name.startswith(src.dist_info + "/") \
+                else name
+
+        meta_name = f"{src.dist_info}/METADATA"
+        record_name = f"{src.dist_info}/RECORD"
+        metadata = _metadata_with_version(zf.read(meta_name), new_version)
+        provenance = _provenance(wheel, src_sha, pset, verified_by, new_version, pristine,
+                                 patched)
+        prov_name = f"{new_di}/{PROVENANCE_FILE}"
+
+        # RECORD: every source row in order; the edited files and METADATA
+        # rehashed; the provenance row just before RECORD's own row.
+        new_rows = []
+        changed = {**patched, meta_name: metadata}
+        for r in src.rows:
+            if r.path == record_name:
+                new_rows.append(RecordRow(prov_name, FileHash.of(provenance).hash,
+                                          str(len(provenance))))
+                new_rows.append(RecordRow(rename(r.path), "", ""))
+            elif r.path in changed:
+                fh = FileHash.of(changed[r.path])
+                new_rows.append(RecordRow(rename(r.path), fh.hash, str(fh.size)))
+            else:
+                new_rows.append(RecordRow(rename(r.path), r.hash, r.size))
+        record = _render_rows(new_rows, src.line_end)
+
+        members = []
+        for info in zf.infolist():
+            name = info.filename
+            if name == record_name:
+                members.append(wheelzip.stored(prov_name, provenance))
+                members.append(wheelzip.stored(rename(name), record, info.external_attr))
+            elif name in changed:
+                members.append(wheelzip.stored(rename(name), changed[name], info.external_attr))
+            else:
+                members.append(wheelzip.copied(raw, info, rename(name)))
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dest = out_dir / filename
+    wheelzip.write_zip(dest, members)
+    check_built(dest)
+    sha = sha256_of(dest)
+    return WheelBuild(
+        path=str(dest), filename=filename, sha256=sha, version=new_version,
+        lmcache_version=src.version, patch_set=pset.name, revision=m.revision,
+        requirement=f"{DIST}=={new_version} --hash=sha256:{sha}",
+        source={"filename": wheel.name, "sha256": src_sha, "verified_by": verified_by},
+        warnings=warnings,
+        files={p: {"pre": m.hash_after(p, 0).hash, "post": FileHash.of(b).hash}
+               for p, b in patched.items()},
+        members=len(members), record_rows=len(new_rows))
+
+
+def _provenance(wheel: Path, src_sha: str, pset, verified_by: str, new_version: str,
+                pristine: dict[str, bytes], patched: dict[str, bytes]) -> bytes:
+    from .manifest import FileHash
+
+    m = pset.manifest
+    doc = {
+        "schema": PROVENANCE_SCHEMA,
+        "tool": "lmcache-patchtool",
+        "tool_version": __version__,
+        "lmcache_version": pset.version,
+        "version": new_version,
+        "patch_set": pset.name,
+        "revision": m.revision,
+        "vllm_versions": m.vllm_versions,
+        "upstream": m.upstream,
+        # No paths or times of the build machine: the file is part of the
+        # pinned hash.
+        "source_wheel": {"filename": wheel.name, "sha256": src_sha, "verified_by": verified_by},
+        "manifest_wheel": m.wheel,
+        "patches": [{"id": p["id"], "file": p["file"], "sha256": p["sha256"]} for p in m.patches],
+        "files": {p: {"pre": FileHash.of(pristine[p]).to_json(),
+                      "post": FileHash.of(patched[p]).to_json()} for p in sorted(patched)},
+    }
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+def check_built(path: Path) -> None:
+    """Re-read a built wheel: every CRC, and every member against its RECORD.
+    A failure here is a bug in this module, so it is not a Refusal."""
+    import zipfile
+
+    from .record import parse_record, record_hash
+
+    with zipfile.ZipFile(path) as zf:
+        bad = zf.testzip()
+        if bad is not None:
+            raise RuntimeError(f"{path}: member {bad} fails its CRC")
+        rec = [n for n in zf.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1]
+        rows = {r.path: r for r in parse_record(zf.read(rec[0]))}
+        for info in zf.infolist():
+            if info.is_dir() or info.filename == rec[0]:
+                continue
+            row = rows.get(info.filename)
+            if row is None or row.hash != record_hash(zf.read(info)):
+                raise RuntimeError(f"{path}: {info.filename} does not match the new RECORD")
+
+
+def read_provenance(dist_info: Path) -> dict | None:
+    """The provenance file of an installed patched wheel, or None."""
+    try:
+        return json.loads((dist_info / PROVENANCE_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        raise Refusal(dist_info / PROVENANCE_FILE, "not valid JSON") from None
+
+
+
+def wheel_version(wheel: Path) -> str:
+    """The lmcache version in a wheel's METADATA (refuses a non-lmcache wheel)."""
+    import zipfile
+
+    wheel = Path(wheel)
+    if not wheel.is_file():
+        raise Refusal(wheel, "no such wheel file")
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            return _read_source(zf, wheel).version
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise Refusal(wheel, f"not a readable zip ({exc})") from None
+
+
+def locate_patch_set(root: Path, version: str, set_name: str | None):
+    """The patch set for ``version``, or a refusal whose code says why there
+    is none: UNSUPPORTED_VERSION when the version is older than every version
+    the shipped sets cover (the code the series fixes predates it), else
+    NO_PATCH_SET (a newer or in-between release: port the series, or ship a
+    fixed-upstream manifest).  A fixed-upstream set is returned; callers
+    decide what that means for them."""
+    from packaging.version import InvalidVersion, Version
+
+    from .manifest import MANIFEST_NAME, catalog, find_patch_set
+
+    pset = find_patch_set(root, version, set_name)
+    if pset is not None:
+        return pset
+    covered = []
+    for s, v, d in catalog(root):
+        if (set_name is None or s == set_name) and \
+                ((d / MANIFEST_NAME).exists() or any(d.glob("*.patch"))):
+            try:
+                covered.append(Version(v))
+            except InvalidVersion:
+                continue
+    try:
+        wanted = Version(version)
+    except InvalidVersion:
+        raise Refusal(f"lmcache=={version}", "not a valid version") from None
+    where = f" ({', '.join(str(v) for v in sorted(covered))} covered)" if covered else ""
+    if covered and wanted < min(covered):
+        raise Refusal(f"lmcache=={version}", f"unsupported version: older than every version "
+                      f"the patch sets cover{where}", ExitCode.UNSUPPORTED_VERSION)
+    raise Refusal(f"lmcache=={version}", f"no patch set for lmcache {version}{where}: port the "
+                  "series to it, or ship a fixed-upstream manifest if upstream fixed the bug",
+                  ExitCode.NO_PATCH_SET)

@@ -1,0 +1,139 @@
+"""``patchtool verify --restore cpu`` / ``--roundtrip``: the restore checks
+run in the target environment, fold into verify's exit code, carry the
+scripts' JSON, and fail (13) on an install that is "patched" but still has
+the bug."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .helpers import cli
+
+
+def _verify(patches: Path, *args: str, env: dict | None = None):
+    return cli("verify", "--json", *args, patches=patches, env=env)
+
+
+@pytest.mark.slow
+def test_restore_cpu_and_roundtrip_pass(runtime_python_053, patches_root, target_site):
+    r = _verify(patches_root, "--restore", "cpu", "--roundtrip", "--site-packages",
+                str(target_site), "--python", str(runtime_python_053), "--preset", "qwen35-0.8b")
+    assert r.rc == 0, r.out[-3000:] + r.err[-3000:]
+    res = r.json["result"]
+    checks = {c["name"]: c for c in res["checks"]}
+    assert list(checks) == ["files", "record", "roundtrip-cpu", "restore-cpu"]
+    assert all(c["ok"] for c in checks.values())
+    gate = checks["restore-cpu"]["data"]["report"]
+    assert gate["verdict"] == "pass" and [p["preset"] for p in gate["presets"]] == ["qwen35-0.8b"]
+    assert gate["versions"]["lmcache_dir"] == str(target_site.resolve())
+    assert checks["restore-cpu"]["data"]["pythonpath"] == str(target_site.resolve())
+    rt = checks["roundtrip-cpu"]["data"]["report"]
+    assert rt["lmcache"]["version"] == "0.5.3+hybridfa.r1"
+
+
+@pytest.mark.slow
+def test_restore_checks_fail_on_an_unfixed_install(tmp_path, runtime_python_053, inert_root):
+    """The negative control: patched with a series that does not fix the
+    bug (01 only), the files verify, and the restore checks FAIL: exit 13."""
+    r = cli("wheel", "--from", str(__import__("provision").wheel("0.5.3")), "-o",
+            str(tmp_path), "--json", patches=inert_root)
+    assert r.rc == 0, r.err
+    site = tmp_path / "site"
+    subprocess.run([str(runtime_python_053), "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-index", "--target", str(site), r.json["result"]["path"]], check=True)
+    r = _verify(inert_root, "--restore", "cpu", "--roundtrip", "--site-packages", str(site),
+                "--python", str(runtime_python_053), "--preset", "qwen35-0.8b")
+    assert r.rc == 13, r.out[-3000:] + r.err[-3000:]
+    res = r.json["result"]
+    outcome = {c["name"]: (c["ok"], c["error"]) for c in res["checks"]}
+    assert outcome == {"files": (True, False), "record": (True, False),
+                       "roundtrip-cpu": (False, False), "restore-cpu": (False, False)}
+    assert res["verdict"] == "restore check failed: roundtrip-cpu, restore-cpu"
+
+
+@pytest.mark.slow
+def test_restore_timeout_is_an_error(runtime_python_053, patches_root, target_site):
+    r = _verify(patches_root, "--restore", "cpu", "--site-packages", str(target_site),
+                "--python", str(runtime_python_053), "--preset", "qwen35-0.8b",
+                "--check-timeout", "3")
+    assert r.rc == 14, r.out[-3000:] + r.err[-3000:]
+    check = r.json["result"]["checks"][-1]
+    assert check["error"] and "timed out" in check["detail"]
+
+
+def test_restore_refusals(tmp_path, bare_python_053, runtime_python_053, patches_root,
+                          target_site, pristine_overlay_053):
+    def one_line(r, code, text):
+        assert r.rc == code, (r.rc, r.err)
+        assert r.err.count("\n") == 1 and text in r.err, r.err
+
+    one_line(cli("verify", "--restore", "cpu", "--site-packages", str(target_site),
+                 patches=patches_root), 3, "add --python PATH")
+    one_line(cli("verify", "--restore", "cpu", "--site-packages", str(target_site),
+                 "--python", str(bare_python_053), patches=patches_root), 3, "has no torch")
+    # An lmcache earlier on PYTHONPATH than the install being verified.
+    one_line(cli("verify", "--restore", "cpu", "--python", str(runtime_python_053),
+                 patches=patches_root, env={"PYTHONPATH": str(pristine_overlay_053)}), 3,
+             "would import lmcache from")
+    one_line(cli("verify", "--restore", "gpu", "--site-packages", str(target_site), "--python",
+                 str(runtime_python_053), patches=patches_root), 3, "needs a GPU machine")
+    empty = tmp_path / "verify"
+    empty.mkdir()
+    one_line(cli("verify", "--restore", "gpu", "--site-packages", str(target_site), "--python",
+                 str(runtime_python_053), "--", "--model", "/m", patches=patches_root,
+                 env={"LMCACHE_PATCHTOOL_VERIFY": str(empty)}), 3,
+             "needs a GPU machine: run verify/gpu_gate.py")
+    one_line(cli("verify", "--site-packages", str(target_site), "--python",
+                 str(runtime_python_053), patches=patches_root), 2, "not both")
+    one_line(cli("status", "--", "x", patches=patches_root), 2, "passed only to")
+
+
+def _gpu_gate_args(tmp: Path, vllm_mode: str = "") -> tuple[list[str], dict]:
+    """verify/gpu_gate.py options that drive it against the CPU stand-ins
+    (verify/standins/), as tests/gpu_gate does; no --out (patchtool adds it)."""
+    import json
+    import os
+    import sys
+    import uuid
+
+    from .helpers import REPO
+
+    st = REPO / "verify" / "standins"
+    py = sys.executable
+    model = tmp / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["Fake"]}))
+    tag = uuid.uuid4().hex
+    args = ["--model", str(model), "--tokenizer", "byte", "--lengths", "1024,2048",
+            "--block-size", "128", "--page-tokens", "32",
+            "--vllm-cmd", f"{py} {st / 'fake_vllm.py'} serve {vllm_mode}".strip(),
+            "--lmcache-cmd", f"{py} {st / 'fake_lmcache.py'}",
+            "--nvidia-smi", f"{py} {st / 'fake_nvidia_smi.py'}",
+            "--work-dir", str(tmp / "work"), "--poll-s", "0.05", "--flush-quiet-s", "0.3",
+            "--stop-grace-s", "3", "--kill-timeout-s", "5", "--gpu-free-timeout", "3",
+            "--metrics-settle-s", "2", "--vllm-start-timeout", "20",
+            "--lmcache-start-timeout", "20", "--flush-timeout", "10", "--request-timeout", "30",
+            "--env", f"GATE_TEST_TAG={tag}"]
+    env = {"FAKE_GPU_STATE": str(tmp / "gpu"), "FAKE_VLLM_BLOCK": "128",
+           "FAKE_PREFILL_US": "250", "FAKE_RESTORE_US": "1", "GATE_TEST_TAG": tag,
+           "PATH": os.environ.get("PATH", "")}
+    return args, env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,code", [("", 0), ("--fake-mode corrupt", 13)])
+def test_restore_gpu_passes_arguments_through(tmp_path, runtime_python_053, patches_root,
+                                              target_site, mode, code):
+    """--restore gpu hands everything after `--` to verify/gpu_gate.py (here
+    driven against its CPU stand-ins) and folds its exit code in: 0 pass,
+    20 fail -> 13."""
+    args, env = _gpu_gate_args(tmp_path, mode)
+    r = _verify(patches_root, "--restore", "gpu", "--site-packages", str(target_site),
+                "--python", str(runtime_python_053), "--", *args, env=env)
+    assert r.rc == code, r.out[-3000:] + r.err[-3000:]
+    check = r.json["result"]["checks"][-1]
+    assert check["name"] == "restore-gpu" and check["data"]["exit_code"] == (20 if code else 0)
+    assert check["data"]["report"] is not None
