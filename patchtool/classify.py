@@ -83,6 +83,20 @@ class Status:
     # provenance file (or, without one, what the local version says).  Such
     # an install is patched at build time; apply/revert do not act on it.
     wheel_build: dict | None = None
+    # Things the operator must know about this install: the manifest's notes
+    # for the version, and the disk-tier warning once it is patched.
+    notes: list[str] = field(default_factory=list)
+
+
+# Why: objects in a persistent L2 tier carry no layout fingerprint. Those
+# written by an unpatched build hold 1/k of the FA bytes (the wrong pages),
+# and a patched -> pristine downgrade reads patched objects as valid hits.
+DISK_TIER_WARNING = (
+    "disk-tier data written before this patch, or by another LMCache version "
+    "or layout, must be discarded: wipe the L2 tier (for the fs adapter, its "
+    "base_path directory) or change the model alias / cache_salt before serving "
+    "from it; never point an unpatched build at a tier a patched build wrote"
+)
 
 
 def patch_set_key(target: Target) -> tuple[str, str | None]:
@@ -131,6 +145,7 @@ def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = Fal
 
     m = pset.manifest
     st.patch_set, st.patch_set_dir = pset.name, str(pset.path)
+    st.notes = list(m.notes)
     st.revision, st.vllm_versions = m.revision, m.vllm_versions
     if m.state == STATE_FIXED_UPSTREAM:
         st.state, st.detail = FIXED_UPSTREAM, m.reason or "fixed upstream"
@@ -197,6 +212,8 @@ def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = Fal
         st.state = DRIFTED
         st.detail = (f"{bad[0]} matches no known pristine or patched state" if bad
                      else "files are at different patch steps")
+    if st.state in (PATCHED, PATCHED_OLDER, PARTIAL):
+        st.notes.append(DISK_TIER_WARNING)
     st.record = _record_summary(t.site, record_rows, set(m.files), deep)
     return st
 

@@ -57,6 +57,9 @@ class Manifest:
     files: dict[str, dict] = field(default_factory=dict)
     # [{"revision", "patches": {file: sha256}, "files": {path: FileHash}}]
     previous_revisions: list[dict] = field(default_factory=list)
+    # Operator-facing notes `patchtool status` prints for this version (what
+    # upstream fixed and what it did not, known limits). Omitted when empty.
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         out: dict = {
@@ -71,6 +74,10 @@ class Manifest:
             "revision": self.revision,
             "vllm_versions": self.vllm_versions,
             "upstream": self.upstream,
+        })
+        if self.notes:
+            out["notes"] = self.notes
+        out.update({
             "tool_version": self.tool_version,
             "wheel": self.wheel,
             "patches": self.patches,
@@ -130,6 +137,7 @@ def load_manifest(path: Path) -> Manifest:
             revision=int(raw["revision"]),
             vllm_versions=list(raw["vllm_versions"]),
             upstream=list(raw["upstream"]),
+            notes=[str(n) for n in raw.get("notes", [])],
             tool_version=raw["tool_version"],
             wheel=dict(raw["wheel"]),
             patches=list(raw["patches"]),
@@ -261,7 +269,8 @@ def _wheel_members(wheel: Path) -> tuple[str, dict[str, tuple[str, str]]]:
 
 def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
                    vllm_versions: list[str] | None = None, upstream: list[str] | None = None,
-                   fixed_upstream: str | None = None, write: bool = True) -> Manifest:
+                   fixed_upstream: str | None = None, notes: list[str] | None = None,
+                   write: bool = True) -> Manifest:
     """Generate (and by default write) ``directory/manifest.json``.
 
     Pre-images come from the wheel (each checked against the wheel's own
@@ -286,6 +295,8 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
         vllm_versions = existing.vllm_versions if existing else []
     if upstream is None:
         upstream = existing.upstream if existing else []
+    if notes is None:
+        notes = existing.notes if existing else []
     if fixed_upstream is None and existing and existing.state == STATE_FIXED_UPSTREAM:
         fixed_upstream = existing.reason
 
@@ -311,7 +322,7 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
     patch_paths = sorted(directory.glob("*.patch"))
     common = dict(patch_set=directory.parent.name, lmcache_version=version, revision=revision,
                   vllm_versions=list(vllm_versions), upstream=list(upstream),
-                  tool_version=__version__,
+                  notes=list(notes), tool_version=__version__,
                   wheel={"filename": wheel.name, "sha256": sha256_file(wheel)},
                   previous_revisions=previous)
     if fixed_upstream is not None:

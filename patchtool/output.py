@@ -98,6 +98,8 @@ def _render_status(console, st) -> None:
         console.print(f"RECORD      : {st.record.checked} checked, {st.record.mismatches} "
                       f"mismatched ({scope}; {st.record.rows} rows)")
     console.print(f"state       : [bold]{_styled(st.state)}[/] - {st.detail}")
+    for note in st.notes:
+        console.print(f"[yellow]note[/]        : {note}")
 
 
 def _render_hunks(console, hunks) -> None:
