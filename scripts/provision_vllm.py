@@ -5,7 +5,7 @@ Not a venv: a ``pip install --target`` directory holding vLLM 0.27.1
 (``--no-deps``) plus the few light packages needed to import vLLM's
 scheduler-side block management and ``lmcache.integration.vllm.
 lmcache_mp_connector``.  It is layered with ``PYTHONPATH`` over
-``provision.runtime_env("0.5.3")`` (torch 2.13.0 CPU + lmcache 0.5.3 + deps,
+``provision.runtime_env(V)`` (torch 2.13.0 CPU + lmcache ``V`` + deps,
 already built), so nothing heavy is installed twice::
 
     PYTHONPATH=<lmcache overlay>:<vllm_layer()> <runtime_env>/bin/python ...
@@ -14,7 +14,11 @@ vLLM's compiled CUDA kernels (``*.so`` under ``vllm/``, ~580 MB) cannot load
 on CPU and are never imported by these modules, so they are deleted after
 install.  Finished layers carry a ``.provisioned`` stamp written last.
 
-Command line: ``python scripts/provision_vllm.py``  (prints the layer path).
+One layer per lmcache version ``V`` (default ``0.5.3``, whose path is
+unchanged): it is installed with, and probed against, that version's runtime
+env and pristine lmcache, so a layer never depends on another version's env.
+
+Command line: ``python scripts/provision_vllm.py [V]``  (prints the layer path).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provision  # noqa: E402
 
 VLLM_VERSION = "0.27.1"
-LMCACHE_VERSION = "0.5.3"
+LMCACHE_VERSION = "0.5.3"  # the default; vllm_layer(V) builds one per version
 # Imported by vllm.v1.{core,request} / the connector and absent from the
 # runtime env; pins follow vLLM 0.27.1's METADATA.  All installed --no-deps.
 LIGHT_DEPS = [
@@ -55,11 +59,12 @@ def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def vllm_layer() -> Path:
-    """Build once and return the ``--target`` directory with vLLM + light deps."""
-    runtime = provision.runtime_env(LMCACHE_VERSION)
+def vllm_layer(lmcache_version: str = LMCACHE_VERSION) -> Path:
+    """Build once and return the ``--target`` directory with vLLM + light deps
+    for ``lmcache_version``'s runtime env."""
+    runtime = provision.runtime_env(lmcache_version)
     py = str(runtime / "bin" / "python")
-    dest = provision.cache_root() / "envs" / f"vllm-{VLLM_VERSION}-layer-lmcache-{LMCACHE_VERSION}"
+    dest = provision.cache_root() / "envs" / f"vllm-{VLLM_VERSION}-layer-lmcache-{lmcache_version}"
     with provision._locked(dest.name):
         if (dest / provision.STAMP).exists():
             return dest
@@ -74,12 +79,12 @@ def vllm_layer() -> Path:
             removed += so.stat().st_size
             so.unlink()
         # Fail loudly now rather than in every test.
-        env = {"PYTHONPATH": f"{provision.overlay(LMCACHE_VERSION)}:{dest}",
+        env = {"PYTHONPATH": f"{provision.overlay(lmcache_version)}:{dest}",
                "PATH": "/usr/bin:/bin"}
         subprocess.run([py, "-c", PROBE], check=True, env=env,
                        stdout=subprocess.DEVNULL)
         provision._stamp(dest, {
-            "vllm": VLLM_VERSION, "lmcache": LMCACHE_VERSION, "kind": "vllm-layer",
+            "vllm": VLLM_VERSION, "lmcache": lmcache_version, "kind": "vllm-layer",
             "runtime_env": str(runtime), "light_deps": LIGHT_DEPS,
             "removed_cuda_so_bytes": removed, "size_bytes": _du(dest),
             "build_seconds": round(time.monotonic() - started, 1),
@@ -87,8 +92,9 @@ def vllm_layer() -> Path:
         return dest
 
 
-def main() -> int:
-    layer = vllm_layer()
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    layer = vllm_layer(*argv[:1])
     print(layer)
     print(json.dumps(json.loads((layer / provision.STAMP).read_text())), file=sys.stderr)
     return 0

@@ -68,19 +68,25 @@ class FakeSchedulerAdapter:
 
 
 def make_connector(kv_cache_config, block_size: int, num_spec: int, chunk: int,
-                   groups_kind: str):
+                   groups_kind: str, dcp: int = 1):
     mpc.LMCacheMPSchedulerAdapter = lambda **kw: FakeSchedulerAdapter(  # type: ignore[assignment]
         lmcache_tokens_per_chunk=chunk, **kw)
-    extra: dict[str, Any] = {}
+    # Keys only later versions read (0.5.3 ignores both): 0.5.6 stores only
+    # prompt chunks unless save_decode_cache is set; the decode-phase stores
+    # are the ones the resync must guard, so they stay on in every version.
+    extra: dict[str, Any] = {"lmcache.mp.save_decode_cache": True}
     ktc = types.SimpleNamespace(
         kv_connector_extra_config=extra,
         get_from_extra_config=lambda key, default: extra.get(key, default),
+        is_kv_producer=True,  # 0.5.6: only producers store
     )
     vllm_config = types.SimpleNamespace(
         kv_transfer_config=ktc,
+        # decode_context_parallel_size: read from 0.5.5 on (getattr, default 1);
+        # dcp ranks are tensor-parallel ranks, so world/tp grow with it.
         parallel_config=types.SimpleNamespace(
-            world_size=1, rank=0, tensor_parallel_size=1, pipeline_parallel_size=1,
-            data_parallel_size=1),
+            world_size=dcp, rank=0, tensor_parallel_size=dcp, pipeline_parallel_size=1,
+            data_parallel_size=1, decode_context_parallel_size=dcp),
         model_config=types.SimpleNamespace(model="sim", use_mla=False,
                                            is_hybrid=groups_kind == "hybrid"),
         cache_config=types.SimpleNamespace(
@@ -97,7 +103,7 @@ def make_connector(kv_cache_config, block_size: int, num_spec: int, chunk: int,
 
 class Sim:
     def __init__(self, *, block_size: int, num_spec: int, chunk: int, num_blocks: int,
-                 groups_kind: str = "hybrid", bind_pool: bool = True):
+                 groups_kind: str = "hybrid", bind_pool: bool = True, dcp: int = 1):
         init_none_hash(sha256)
         self.L, self.S, self.C = block_size, num_spec, chunk
         fa = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
@@ -118,7 +124,7 @@ class Sim:
                                   scheduler_block_size=block_size, hash_block_size=block_size,
                                   enable_caching=True, use_eagle=False)
         self.conn = make_connector(self.kv_cache_config, block_size, num_spec, chunk,
-                                   groups_kind)
+                                   groups_kind, dcp=dcp)
         if bind_pool:
             self.conn.bind_gpu_block_pool(self.mgr.block_pool)
         self.hasher = get_request_block_hasher(block_size, sha256)
@@ -374,15 +380,57 @@ SCENARIOS = {
 }
 
 
+def construct_only(dcp: int) -> dict:
+    """Build the hybrid sim's connector (scheduler role) with decode context
+    parallelism ``dcp`` and report whether construction succeeded; the DCP
+    guard (hybrid-fa 0.5.5+) must refuse ``dcp > 1`` here."""
+    try:
+        Sim(block_size=2, num_spec=2, chunk=4, num_blocks=48, dcp=dcp)
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result
+        return {"dcp": dcp, "constructed": False,
+                "error": f"{type(exc).__name__}: {exc}"}
+    return {"dcp": dcp, "constructed": True, "error": None}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("scenario", choices=sorted(SCENARIOS))
+    ap.add_argument("scenario", choices=sorted(SCENARIOS) + ["construct", "batch"],
+                    help="one scenario; 'construct' only builds the connector (with "
+                    "--dcp); 'batch' runs --scenarios and --construct-dcp in one "
+                    "process (one import of vLLM/lmcache instead of one per run)")
     ap.add_argument("--out", required=True, help="JSON result file (vLLM logs to stdout)")
+    ap.add_argument("--dcp", type=int, default=1,
+                    help="decode_context_parallel_size (scenario 'construct' only)")
+    ap.add_argument("--scenarios", default="",
+                    help="batch: comma-separated scenario names")
+    ap.add_argument("--construct-dcp", default="",
+                    help="batch: comma-separated dcp sizes to try constructing with")
     args = ap.parse_args()
+    patched = hasattr(mpc, "_BlockIdResync")
+    if args.scenario == "batch":
+        names = [n for n in args.scenarios.split(",") if n]
+        unknown = sorted(set(names) - set(SCENARIOS))
+        if unknown:
+            ap.error(f"unknown scenarios {unknown}")
+        result: dict[str, Any] = {"patched": patched, "scenarios": {}, "construct": []}
+        for name in names:
+            print(f"=== scenario {name}", file=sys.stderr, flush=True)
+            result["scenarios"][name] = {"scenario": name, "steps": SCENARIOS[name]().log,
+                                         "patched": patched}
+        for dcp in (int(d) for d in args.construct_dcp.split(",") if d):
+            print(f"=== construct dcp={dcp}", file=sys.stderr, flush=True)
+            result["construct"].append(construct_only(dcp))
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+        return 0
+    if args.scenario == "construct":
+        with open(args.out, "w") as fh:
+            json.dump(dict(construct_only(args.dcp), patched=patched), fh, indent=1)
+        return 0
     sim = SCENARIOS[args.scenario]()
     with open(args.out, "w") as fh:
         json.dump({"scenario": args.scenario, "steps": sim.log,
-                   "patched": hasattr(mpc, "_BlockIdResync")}, fh, indent=1)
+                   "patched": patched}, fh, indent=1)
     return 0
 
 

@@ -84,7 +84,10 @@ def _by_preset(cells: dict, preset: str) -> list[dict]:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_series_applies_with_zero_fuzz(version):
     series = _series(version)
-    assert [p.name for p in series] == ["01-staging-views.patch", "02-page-ratio.patch"]
+    expected = ["01-staging-views.patch", "02-page-ratio.patch", "03-block-id-resync.patch"]
+    if version in ("0.5.5", "0.5.6"):
+        expected.append("04-dcp-guard.patch")  # DCP is ambiguous from 0.5.5 on (EXPLAINER §8)
+    assert [p.name for p in series] == expected
     overlay = provision.overlay(version, series)  # GNU patch -p1 -F0; raises on fuzz/reject
     text = "".join((overlay / p).read_text() for p in (
         "lmcache/v1/kv_layer_groups.py",
