@@ -41,3 +41,13 @@ def test_manifest_notes_are_shown_and_kept_on_rebuild(tmp_path, wheel053, test_p
     shutil.copytree(target_dir_053, site, symlinks=True)
     st = cli("status", "--json", "--site-packages", str(site), patches=patches).json["result"]
     assert st["notes"] == [note]
+
+
+def test_pristine_056_status_names_what_upstream_fixed_and_not(bare_envs):
+    """Against the shipped 0.5.6 manifest (no patches override)."""
+    py = str(bare_envs["0.5.6"] / "bin" / "python")
+    st = cli("status", "--json", "--python", py).json["result"]
+    assert st["state"] == "pristine" and st["lmcache_version"] == "0.5.6"
+    notes = " ".join(st["notes"])
+    assert "upstream 0.5.6 fixed" in notes and "did NOT fix" in notes
+    assert "pure-attention" in notes
