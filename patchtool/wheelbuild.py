@@ -23,7 +23,6 @@ the local-version helpers below.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import subprocess
@@ -33,6 +32,7 @@ from pathlib import Path
 from . import __version__
 from .errors import Refusal
 from .exitcodes import ExitCode
+from .manifest import sha256_file
 
 PROVENANCE_FILE = "lmcache_patchtool.json"
 PROVENANCE_SCHEMA = "lmcache-patchtool/wheel-provenance/v1"
@@ -75,14 +75,6 @@ def parse_pin(text: str) -> tuple[str, str]:
             or "*" in specs[0].version:
         raise Refusal(text, "needs an exact pin: lmcache==VERSION")
     return specs[0].version, text
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def download(version: str, python: str, dest: Path) -> Path:
@@ -270,7 +262,7 @@ def build(wheel: Path, pset, out_dir: Path) -> WheelBuild:
         if src.version != pset.version:
             raise Refusal(wheel, f"is lmcache {src.version}, but the patch set is for "
                           f"{pset.version}")
-        src_sha = sha256_of(wheel)
+        src_sha = sha256_file(wheel)
         verified_by, warnings, pristine = check_source(zf, wheel, src_sha, src, m)
 
         series = apply_series(pset.load_patches(), lambda p: pristine.get(p))
@@ -334,7 +326,7 @@ def build(wheel: Path, pset, out_dir: Path) -> WheelBuild:
     dest = out_dir / filename
     wheelzip.write_zip(dest, members)
     check_built(dest)
-    sha = sha256_of(dest)
+    sha = sha256_file(dest)
     return WheelBuild(
         path=str(dest), filename=filename, sha256=sha, version=new_version,
         lmcache_version=src.version, patch_set=pset.name, revision=m.revision,

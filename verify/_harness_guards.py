@@ -85,11 +85,16 @@ class CopyRecorder:
         self.records.append({"dir": direction, "path": path, "ptr": int(host_ptr), "address": int(address),
                              "size": int(size), "raw_ptr": int(raw_ptr)})
 
-    @contextlib.contextmanager
     def wrap_python_path(self):
         from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: PLC0415
 
-        orig_d2h, orig_h2d = ldt.lmcache_memcpy_async_d2h, ldt.lmcache_memcpy_async_h2d
+        return self.wrap_module(ldt)
+
+    @contextlib.contextmanager
+    def wrap_module(self, mod):
+        """Record every ``mod.lmcache_memcpy_async_d2h`` / ``_h2d`` call (the
+        Python path's copies) while the context is active."""
+        orig_d2h, orig_h2d = mod.lmcache_memcpy_async_d2h, mod.lmcache_memcpy_async_h2d
 
         def _raw_ptr(obj):
             t = obj.raw_tensor
@@ -105,11 +110,11 @@ class CopyRecorder:
                         _raw_ptr(memory_obj))
             return orig_h2d(memory_obj, gpu_buffer)
 
-        ldt.lmcache_memcpy_async_d2h, ldt.lmcache_memcpy_async_h2d = d2h, h2d
+        mod.lmcache_memcpy_async_d2h, mod.lmcache_memcpy_async_h2d = d2h, h2d
         try:
             yield self
         finally:
-            ldt.lmcache_memcpy_async_d2h, ldt.lmcache_memcpy_async_h2d = orig_d2h, orig_h2d
+            mod.lmcache_memcpy_async_d2h, mod.lmcache_memcpy_async_h2d = orig_d2h, orig_h2d
 
     def analyse(self, direction: str, objects: list[dict], fa_segment: tuple[int, int] | None,
                 fa_page_bytes: int | None, k: int = 1) -> dict:

@@ -102,34 +102,54 @@ def _num_layer_ptrs(torch_ops: Any, shape_desc: Any, fmt: Any) -> int:
     return int(shape_desc.nl)
 
 
-def make_namespace(real_ops: Any, recorder: Callable[..., None] | None, stats: NativeStats) -> types.SimpleNamespace:
-    from lmcache.v1.platform import torch_ops  # noqa: PLC0415
+class NativeExecutor:
+    """The emulated ``execute_object_group_transfer``: one implementation for
+    every LMCache version, parameterised by what moved between them.
 
-    def execute_object_group_transfer(direction, device, pin_chunk_size, specs, steps):  # noqa: ARG001
-        stats.calls += 1
-        is_h2d = int(direction) == int(real_ops.TransferDirection.H2D)
+    ``real_ops``: the real ops module (``lmc_ops`` / ``device_ops``) whose
+    ``multi_layer_block_kv_transfer`` runs a launch; ``h2d``: the
+    ``TransferDirection.H2D`` value of that version; ``torch_ops``: the
+    version's ``lmcache.v1.platform.torch_ops`` (``_tensor_from_ptr``);
+    ``layer_ptr_count(torch_ops, shape_desc, fmt)``: length of the per-layer
+    pointer array for ``fmt`` (may raise for formats it does not cover).
+    """
+
+    def __init__(self, real_ops: Any, h2d: Any, torch_ops: Any,
+                 layer_ptr_count: Callable[[Any, Any, Any], int],
+                 recorder: Callable[..., None] | None, stats: NativeStats) -> None:
+        self.real_ops = real_ops
+        self.h2d = h2d
+        self.torch_ops = torch_ops
+        self.layer_ptr_count = layer_ptr_count
+        self.recorder = recorder
+        self.stats = stats
+
+    def __call__(self, direction, device, pin_chunk_size, specs, steps):  # noqa: ARG002
+        self.stats.calls += 1
+        is_h2d = int(direction) == int(self.h2d)
         for step in steps:
-            stats.steps += 1
+            self.stats.steps += 1
             if is_h2d:
-                _staging(step.staging, is_h2d)
-                _launches(step.launches, specs, direction, device)
+                self._staging(step.staging, is_h2d)
+                self._launches(step.launches, specs, direction, device)
             else:
-                _launches(step.launches, specs, direction, device)
-                _staging(step.staging, is_h2d)
+                self._launches(step.launches, specs, direction, device)
+                self._staging(step.staging, is_h2d)
 
-    def _staging(copies, is_h2d):
+    def _staging(self, copies, is_h2d):
         for c in copies:
-            stats.staging_copies += 1
-            if recorder is not None:
+            self.stats.staging_copies += 1
+            if self.recorder is not None:
                 host_ptr = c.src if is_h2d else c.dst
-                recorder("h2d" if is_h2d else "d2h", "native", host_ptr, c.host_offset, c.size, host_ptr)
+                self.recorder("h2d" if is_h2d else "d2h", "native", host_ptr, c.host_offset, c.size, host_ptr)
             if c.size < 0:
                 raise ValueError(f"negative staging copy size {c.size}")
             ctypes.memmove(c.dst, c.src, c.size)
 
-    def _launches(launches, specs, direction, device):
+    def _launches(self, launches, specs, direction, device):
+        torch_ops = self.torch_ops
         for lv in launches:
-            stats.launches += 1
+            self.stats.launches += 1
             spec = specs[lv.spec_idx]
             if lv.start_block_pos < 0 or lv.n_blocks < 0 or lv.start_block_pos + lv.n_blocks > spec.n_block_ids:
                 raise IndexError(
@@ -137,12 +157,12 @@ def make_namespace(real_ops: Any, recorder: Callable[..., None] | None, stats: N
                     f"outside the staged block ids (n={spec.n_block_ids})")
             if not 0 < lv.batch_len <= len(spec.temp_ptrs):
                 raise IndexError(f"batch_len {lv.batch_len} outside 1..{len(spec.temp_ptrs)} staging slots")
-            n_ptrs = _num_layer_ptrs(torch_ops, spec.shape_desc, spec.fmt)
+            n_ptrs = self.layer_ptr_count(torch_ops, spec.shape_desc, spec.fmt)
             paged = torch_ops._tensor_from_ptr(spec.paged_ptrs, (n_ptrs,), torch.int64, "cpu")
             ids_all = (torch_ops._tensor_from_ptr(spec.block_ids_ptr, (spec.n_block_ids,), torch.int64, "cpu")
                        if spec.n_block_ids else torch.empty(0, dtype=torch.int64))
             ids = ids_all[lv.start_block_pos:lv.start_block_pos + lv.n_blocks]
-            real_ops.multi_layer_block_kv_transfer(
+            self.real_ops.multi_layer_block_kv_transfer(
                 paged.clone(),
                 list(spec.temp_ptrs[:lv.batch_len]),
                 ids.clone(),
@@ -154,6 +174,11 @@ def make_namespace(real_ops: Any, recorder: Callable[..., None] | None, stats: N
                 lv.skip_blocks,
             )
 
+
+def plan_namespace(real_ops: Any, execute: Callable[..., None]) -> types.SimpleNamespace:
+    """A stand-in ops namespace: the plan types and ``execute``, everything
+    else forwarded to ``real_ops``."""
+
     class _NS(types.SimpleNamespace):
         def __getattr__(self, name):  # forward everything else to the real shim
             return getattr(real_ops, name)
@@ -163,8 +188,31 @@ def make_namespace(real_ops: Any, recorder: Callable[..., None] | None, stats: N
         LaunchVar=LaunchVar,
         BatchStep=BatchStep,
         KernelGroupSpec=KernelGroupSpec,
-        execute_object_group_transfer=execute_object_group_transfer,
+        execute_object_group_transfer=execute,
     )
+
+
+@contextlib.contextmanager
+def installed(mod: Any, gpu_ops: Any, attr: str, ns: Any):
+    """Bind ``ns`` as ``mod.<attr>`` and ``gpu_ops.<attr>`` and enable the
+    native plan path of ``mod``; everything is restored on exit."""
+    saved = (getattr(mod, attr), getattr(gpu_ops, attr), mod._HAS_NATIVE_OBJECT_GROUP_TRANSFER)
+    setattr(mod, attr, ns)
+    setattr(gpu_ops, attr, ns)
+    mod._HAS_NATIVE_OBJECT_GROUP_TRANSFER = True
+    try:
+        yield ns
+    finally:
+        setattr(mod, attr, saved[0])
+        setattr(gpu_ops, attr, saved[1])
+        mod._HAS_NATIVE_OBJECT_GROUP_TRANSFER = saved[2]
+
+
+def make_namespace(real_ops: Any, recorder: Callable[..., None] | None, stats: NativeStats) -> types.SimpleNamespace:
+    from lmcache.v1.platform import torch_ops  # noqa: PLC0415
+
+    executor = NativeExecutor(real_ops, real_ops.TransferDirection.H2D, torch_ops, _num_layer_ptrs, recorder, stats)
+    return plan_namespace(real_ops, executor)
 
 
 @contextlib.contextmanager
@@ -174,13 +222,6 @@ def native_emulation(recorder: Callable[..., None] | None = None):
     from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: PLC0415
 
     stats = NativeStats()
-    real = ldt.lmc_ops
-    ns = make_namespace(real, recorder, stats)
-    saved = (ldt.lmc_ops, gpu_ops.lmc_ops, ldt._HAS_NATIVE_OBJECT_GROUP_TRANSFER)
-    ldt.lmc_ops = ns
-    gpu_ops.lmc_ops = ns
-    ldt._HAS_NATIVE_OBJECT_GROUP_TRANSFER = True
-    try:
+    ns = make_namespace(ldt.lmc_ops, recorder, stats)
+    with installed(ldt, gpu_ops, "lmc_ops", ns):
         yield stats
-    finally:
-        ldt.lmc_ops, gpu_ops.lmc_ops, ldt._HAS_NATIVE_OBJECT_GROUP_TRANSFER = saved

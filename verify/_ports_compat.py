@@ -25,8 +25,6 @@ reads it).  On 0.5.3 it does nothing.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import dataclasses
 import types
 from typing import Any, Callable
 
@@ -64,82 +62,36 @@ def lmcache_version() -> str | None:
 # ---------------------------------------------------------------------------
 
 def _wrap_python_path(self):
-    mod = transfer_module()
-    orig_d2h, orig_h2d = mod.lmcache_memcpy_async_d2h, mod.lmcache_memcpy_async_h2d
-
-    def _raw_ptr(obj):
-        t = obj.raw_tensor
-        return t.data_ptr() if t is not None else 0
-
-    def d2h(gpu_buffer, memory_obj):
-        self.record("d2h", "python", memory_obj.data_ptr, memory_obj.meta.address, memory_obj.get_size(),
-                    _raw_ptr(memory_obj))
-        return orig_d2h(gpu_buffer, memory_obj)
-
-    def h2d(memory_obj, gpu_buffer):
-        self.record("h2d", "python", memory_obj.data_ptr, memory_obj.meta.address, memory_obj.get_size(),
-                    _raw_ptr(memory_obj))
-        return orig_h2d(memory_obj, gpu_buffer)
-
-    @contextlib.contextmanager
-    def cm():
-        mod.lmcache_memcpy_async_d2h, mod.lmcache_memcpy_async_h2d = d2h, h2d
-        try:
-            yield self
-        finally:
-            mod.lmcache_memcpy_async_d2h, mod.lmcache_memcpy_async_h2d = orig_d2h, orig_h2d
-
-    return cm()
+    return self.wrap_module(transfer_module())
 
 
-@contextlib.contextmanager
 def _inject_fault(kind: str | None):
-    if not kind:
-        yield
-        return
-    mod = transfer_module()
-    orig = mod.lmcache_memcpy_async_d2h
+    import roundtrip  # noqa: PLC0415
 
-    class _Skewed:
-        def __init__(self, base):
-            self._base = base
-            self.meta = dataclasses.replace(base.meta, address=base.meta.address + 64)
-
-        def __getattr__(self, name):
-            return getattr(self._base, name)
-
-    def d2h(gpu_buffer, memory_obj):
-        if kind == "meta-write":
-            memory_obj.meta.address = memory_obj.meta.address
-        elif kind == "used-size":
-            memory_obj.set_used_size(memory_obj.get_size())
-        elif kind == "address-skew":
-            memory_obj = _Skewed(memory_obj)
-        else:
-            raise ValueError(f"unknown fault {kind!r}")
-        return orig(gpu_buffer, memory_obj)
-
-    mod.lmcache_memcpy_async_d2h = d2h
-    try:
-        yield
-    finally:
-        mod.lmcache_memcpy_async_d2h = orig
+    return roundtrip.fault_injected(kind, transfer_module)
 
 
 # ---------------------------------------------------------------------------
 # Native plan executor emulation for device_ops (0.5.4+)
 # ---------------------------------------------------------------------------
 
+def _per_layer_ptrs(torch_ops: Any, shape_desc: Any, fmt: Any) -> int:  # noqa: ARG001
+    """Pointer-array length for 0.5.4+: per-layer (``NL_X_*``) formats only."""
+    fmt_name = getattr(fmt, "name", str(fmt))
+    if not fmt_name.startswith("NL_X_") or fmt_name.startswith("NL_X_TWO_X"):
+        raise NotImplementedError(f"emulation covers per-layer formats only, got {fmt_name}")
+    return int(shape_desc.nl)
+
+
 @contextlib.contextmanager
 def native_emulation(recorder: Callable[..., None] | None = None):
     """Route the transfer through ``_run_object_group_transfer_plan`` on CPU.
 
-    Same executor semantics as ``_harness_native`` (H2D: staging copies then
-    launches per BatchStep; D2H: launches then staging copies), installed as
+    The executor of ``_harness_native`` (H2D: staging copies then launches per
+    BatchStep; D2H: launches then staging copies), with 0.5.4+'s H2D enum
+    (``lmcache_native``) and per-layer pointer arrays, installed as
     ``device_ops`` of the transfer module and of ``gpu_ops``.
     """
-    import torch  # noqa: PLC0415
-
     import _harness_native as hn  # noqa: PLC0415
     from lmcache.v1.gpu_connector import gpu_ops  # noqa: PLC0415
     import lmcache.lmcache_native as lmcache_native  # noqa: PLC0415
@@ -153,67 +105,14 @@ def native_emulation(recorder: Callable[..., None] | None = None):
         return
     real = getattr(mod, attr)
     stats = hn.NativeStats()
+    executor = hn.NativeExecutor(real, lmcache_native.TransferDirection.H2D, torch_ops, _per_layer_ptrs,
+                                 recorder, stats)
 
-    def execute_object_group_transfer(direction, device, pin_chunk_size, specs, steps, **_timing):  # noqa: ARG001
-        stats.calls += 1
-        is_h2d = int(direction) == int(lmcache_native.TransferDirection.H2D)
-        for step in steps:
-            stats.steps += 1
-            if is_h2d:
-                _staging(step.staging, is_h2d)
-                _launches(step.launches, specs, direction, device)
-            else:
-                _launches(step.launches, specs, direction, device)
-                _staging(step.staging, is_h2d)
+    def execute_object_group_transfer(direction, device, pin_chunk_size, specs, steps, **_timing):
+        executor(direction, device, pin_chunk_size, specs, steps)
 
-    def _staging(copies, is_h2d):
-        for c in copies:
-            stats.staging_copies += 1
-            if recorder is not None:
-                host_ptr = c.src if is_h2d else c.dst
-                recorder("h2d" if is_h2d else "d2h", "native", host_ptr, c.host_offset, c.size, host_ptr)
-            if c.size < 0:
-                raise ValueError(f"negative staging copy size {c.size}")
-            ctypes.memmove(c.dst, c.src, c.size)
-
-    def _launches(launches, specs, direction, device):
-        for lv in launches:
-            stats.launches += 1
-            spec = specs[lv.spec_idx]
-            if lv.start_block_pos < 0 or lv.n_blocks < 0 or lv.start_block_pos + lv.n_blocks > spec.n_block_ids:
-                raise IndexError(
-                    f"launch block window [{lv.start_block_pos}, {lv.start_block_pos + lv.n_blocks}) "
-                    f"outside the staged block ids (n={spec.n_block_ids})")
-            if not 0 < lv.batch_len <= len(spec.temp_ptrs):
-                raise IndexError(f"batch_len {lv.batch_len} outside 1..{len(spec.temp_ptrs)} staging slots")
-            fmt_name = getattr(spec.fmt, "name", str(spec.fmt))
-            if not fmt_name.startswith("NL_X_") or fmt_name.startswith("NL_X_TWO_X"):
-                raise NotImplementedError(f"emulation covers per-layer formats only, got {fmt_name}")
-            n_ptrs = int(spec.shape_desc.nl)
-            paged = torch_ops._tensor_from_ptr(spec.paged_ptrs, (n_ptrs,), torch.int64, "cpu")
-            ids_all = (torch_ops._tensor_from_ptr(spec.block_ids_ptr, (spec.n_block_ids,), torch.int64, "cpu")
-                       if spec.n_block_ids else torch.empty(0, dtype=torch.int64))
-            ids = ids_all[lv.start_block_pos:lv.start_block_pos + lv.n_blocks]
-            real.multi_layer_block_kv_transfer(
-                paged.clone(), list(spec.temp_ptrs[:lv.batch_len]), ids.clone(), device, direction,
-                spec.shape_desc, spec.slots_per_chunk_in_sw, spec.fmt, lv.skip_blocks)
-
-    class _NS(types.SimpleNamespace):
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    ns = _NS(StagingCopy=hn.StagingCopy, LaunchVar=hn.LaunchVar, BatchStep=hn.BatchStep,
-             KernelGroupSpec=hn.KernelGroupSpec, execute_object_group_transfer=execute_object_group_transfer)
-    saved = (getattr(mod, attr), gpu_ops.device_ops, mod._HAS_NATIVE_OBJECT_GROUP_TRANSFER)
-    setattr(mod, attr, ns)
-    gpu_ops.device_ops = ns
-    mod._HAS_NATIVE_OBJECT_GROUP_TRANSFER = True
-    try:
+    with hn.installed(mod, gpu_ops, attr, hn.plan_namespace(real, execute_object_group_transfer)):
         yield stats
-    finally:
-        setattr(mod, attr, saved[0])
-        gpu_ops.device_ops = saved[1]
-        mod._HAS_NATIVE_OBJECT_GROUP_TRANSFER = saved[2]
 
 
 def _storage_manager_056(base_cls):

@@ -354,7 +354,6 @@ class Options:
     inject: str | None = None  # guard self-test: meta-write | used-size | address-skew
 
 
-@contextlib.contextmanager
 def _inject_fault(kind: str | None):
     """Deliberately broken staging (Python path, D2H) to prove the guards fire.
 
@@ -363,14 +362,26 @@ def _inject_fault(kind: str | None):
     ``address-skew``: hands the copy helper a view whose ``meta.address`` is 64
     bytes off its ``data_ptr`` (a pager that moved the address but not the pointer).
     """
+    return fault_injected(kind, _lmcache_driven_transfer)
+
+
+def _lmcache_driven_transfer():
+    from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: PLC0415
+
+    return ldt
+
+
+@contextlib.contextmanager
+def fault_injected(kind: str | None, module):
+    """:func:`_inject_fault` on ``module()``'s ``lmcache_memcpy_async_d2h``
+    (``module`` is only called when ``kind`` is set)."""
     if not kind:
         yield
         return
     import dataclasses  # noqa: PLC0415
 
-    from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: PLC0415
-
-    orig = ldt.lmcache_memcpy_async_d2h
+    mod = module()
+    orig = mod.lmcache_memcpy_async_d2h
 
     class _Skewed:
         def __init__(self, base):
@@ -391,11 +402,11 @@ def _inject_fault(kind: str | None):
             raise ValueError(f"unknown fault {kind!r}")
         return orig(gpu_buffer, memory_obj)
 
-    ldt.lmcache_memcpy_async_d2h = d2h
+    mod.lmcache_memcpy_async_d2h = d2h
     try:
         yield
     finally:
-        ldt.lmcache_memcpy_async_d2h = orig
+        mod.lmcache_memcpy_async_d2h = orig
 
 
 def _pick_ids(rng: random.Random, nb: int, m: int, avoid: list[int] | None = None) -> list[int]:

@@ -4,43 +4,25 @@ and derive modified copies of a real wheel."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
+
+import _cli
+from _cli import Run
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET_FILE = "lmcache/v1/kv_layer_groups.py"  # edited by the 0.5.3 series
 OTHER_FILE = "lmcache/v1/memory_management.py"  # not edited by it
 
 
-@dataclass
-class Run:
-    rc: int
-    out: str
-    err: str
-
-    @property
-    def json(self) -> dict:
-        return json.loads(self.out)
-
-
 def cli(*args: str, patches: Path | None = None, env: dict | None = None,
         timeout: float = 1800) -> Run:
-    """``python -m patchtool ARGS`` as a real process (the dev venv's python)."""
-    e = dict(os.environ)
-    for var in ("LMCACHE_PATCHTOOL_CRASH_AFTER_REPLACE", "PYTHONPATH"):
-        e.pop(var, None)
-    if patches is not None:
-        e["LMCACHE_PATCHTOOL_PATCHES"] = str(patches)
-    if env:
-        e.update(env)
-    proc = subprocess.run([sys.executable, "-m", "patchtool", *args], capture_output=True,
-                          text=True, env=e, timeout=timeout, cwd=REPO)
-    return Run(proc.returncode, proc.stdout, proc.stderr)
+    """``python -m patchtool ARGS`` as a real process (the dev venv's python),
+    without ``PYTHONPATH``, from the repository root."""
+    return _cli.cli(*args, patches=patches, env=env, timeout=timeout, cwd=REPO,
+                    unset=(_cli.CRASH_VAR, "PYTHONPATH"))
 
 
 def sha256(path: Path) -> str:

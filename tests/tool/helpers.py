@@ -3,42 +3,16 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
-import sys
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
+
+from _cli import Run, cli  # noqa: F401  (re-exported: run the real CLI)
 
 REPO = Path(__file__).resolve().parents[2]
 STATE_DIR = ".lmcache-patchtool"
-
-
-@dataclass
-class Run:
-    rc: int
-    out: str
-    err: str
-
-    @property
-    def json(self) -> dict:
-        return json.loads(self.out)
-
-
-def cli(*args: str, patches: Path | None = None, env: dict | None = None,
-        python: str | None = None) -> Run:
-    """Run ``python -m patchtool ARGS`` as a real process."""
-    e = dict(os.environ)
-    e.pop("LMCACHE_PATCHTOOL_CRASH_AFTER_REPLACE", None)
-    if patches is not None:
-        e["LMCACHE_PATCHTOOL_PATCHES"] = str(patches)
-    if env:
-        e.update(env)
-    proc = subprocess.run([python or sys.executable, "-m", "patchtool", *args],
-                          capture_output=True, text=True, env=e, timeout=300)
-    return Run(proc.returncode, proc.stdout, proc.stderr)
 
 
 def site_of(venv: Path) -> Path:

@@ -1,0 +1,40 @@
+"""Run the real ``python -m patchtool`` CLI as a process (shared by the tool
+and ci-gate suites; ``tests/`` is on ``sys.path`` as their rootdir)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+CRASH_VAR = "LMCACHE_PATCHTOOL_CRASH_AFTER_REPLACE"
+
+
+@dataclass
+class Run:
+    rc: int
+    out: str
+    err: str
+
+    @property
+    def json(self) -> dict:
+        return json.loads(self.out)
+
+
+def cli(*args: str, patches: Path | None = None, env: dict | None = None, python: str | None = None,
+        timeout: float = 300, cwd: Path | None = None, unset: tuple[str, ...] = (CRASH_VAR,)) -> Run:
+    """``python -m patchtool ARGS`` as a real process: ``unset`` dropped from the
+    environment, ``patches`` as ``LMCACHE_PATCHTOOL_PATCHES``, then ``env``."""
+    e = dict(os.environ)
+    for var in unset:
+        e.pop(var, None)
+    if patches is not None:
+        e["LMCACHE_PATCHTOOL_PATCHES"] = str(patches)
+    if env:
+        e.update(env)
+    proc = subprocess.run([python or sys.executable, "-m", "patchtool", *args], capture_output=True,
+                          text=True, env=e, timeout=timeout, cwd=cwd)
+    return Run(proc.returncode, proc.stdout, proc.stderr)
