@@ -20,16 +20,9 @@ pytestmark = pytest.mark.slow
 HYBRID = ("hybrid", "hybrid-c1")
 
 
-def _divergent_steps(result: dict) -> list[int]:
-    return [s["step"] for s in result["steps"] if s["divergence"]]
-
-
-def _bad_stores(result: dict) -> list[tuple[int, dict]]:
-    return [(s["step"], st) for s in result["steps"] for st in s["stores"] if st["problems"]]
-
-
-def _events(result: dict) -> str:
-    return " | ".join(e for s in result["steps"] for e in s["events"])
+from _resync_results import bad_stores as _bad_stores  # noqa: E402
+from _resync_results import divergent_steps as _divergent_steps  # noqa: E402
+from _resync_results import events as _events  # noqa: E402
 
 
 def test_patch_is_connector_only_and_applies_with_zero_fuzz(resync_overlays):
