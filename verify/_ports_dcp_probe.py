@@ -13,64 +13,24 @@ blocks from scattered ids into other ids; it prints JSON with the restored
 fraction and foreign bytes.  Run in a version's runtime venv with the overlay
 on PYTHONPATH.
 """
-import contextlib
 import json
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from unittest.mock import MagicMock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from lmcache.utils import EngineType  # noqa: E402
-from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
-from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: E402
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey  # noqa: E402
 from lmcache.v1.multiprocess.group_view import EngineGroupInfo  # noqa: E402
 from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: E402
 
+import _ports_compat  # noqa: E402
 
-class W:
-    def __init__(self, t):
-        self.t = t
+_ports_compat.install()  # the harness's fake server context, adapted to this version
 
-    def to_tensor(self):
-        return self.t
-
-
-class SM:
-    def __init__(self):
-        self.objs = {}
-
-    def reserve_write(self, keys, layout, mode="new"):
-        out = {}
-        for k in keys:
-            size = sum(s.numel() * d.itemsize for s, d in zip(layout.shapes, layout.dtypes))
-            meta = MemoryObjMetadata(shape=layout.shapes[0], dtype=layout.dtypes[0], address=0, phy_size=size,
-                                     ref_count=1, shapes=list(layout.shapes), dtypes=list(layout.dtypes))
-            out[k] = self.objs[k] = TensorMemoryObj(torch.zeros(size, dtype=torch.uint8), meta, None)
-        return out
-
-    @contextlib.contextmanager
-    def read_prefetched_results(self, keys):
-        yield [self.objs[k] for k in keys] if all(k in self.objs for k in keys) else None
-
-    def unsafe_read(self, keys, l1_owners=None):
-        f = [k for k in keys if k in self.objs]
-        return f, [self.objs[k] for k in f]
-
-    def prepare_write_completion(self, objs):
-        return [(1, list(objs))]
-
-    def prepare_read_completion(self, keys, l1_owners=None):
-        return [(1, list(keys))]
-
-    def finish_write(self, *a, **k): pass
-    def finish_write_by_owner(self, *a, **k): pass
-    def finish_read_prefetched(self, *a, **k): pass
-    def finish_read_by_owner(self, *a, **k): pass
+import roundtrip  # noqa: E402  (after install(): 0.5.6 swaps its storage manager in)
 
 
 def main() -> None:
@@ -79,16 +39,8 @@ def main() -> None:
     C = N  # one logical block per chunk
     nchunks, nb = 3, 12
     T = C * nchunks
-    ctx = SimpleNamespace(chunk_size=C, separate_object_groups=False, full_sw_kv=False, storage_manager=SM(),
-                          layout_desc_registry=MagicMock(),
-                          event_bus=MagicMock(**{"has_subscribers.return_value": False}),
-                          null_block_id=0, get_read_owners=lambda r: None,
-                          session_manager=SimpleNamespace(get=lambda r: None),
-                          resolve_obj_keys=lambda key, gids: [[ObjectKey(chunk_hash=bytes([i + 1]) * 16,
-                                                                         model_name="m", kv_rank=0,
-                                                                         object_group_id=g)
-                                                               for i in range((key.end - key.start) // C)]
-                                                              for g in gids])
+    sm = roundtrip.FakeStorageManager(8 << 20, False)
+    ctx = roundtrip._fake_server_context(C, sm)
     mod = ldt.LMCacheDrivenTransferModule(ctx)
     g = torch.Generator().manual_seed(1)
     src = torch.randint(0, 256, (nb * H * B * 2 * D * 2,), dtype=torch.uint8, generator=g)
@@ -99,8 +51,8 @@ def main() -> None:
     hints = {"kv_layout": "HND"}
     result = {"lmcache_file": ldt.__file__, "block_size": B, "dcp": dcp, "tokens_per_block": N}
     try:
-        mod.register_kv_cache(1, [W(s_t)], "m", 1, EngineType.VLLM, hints, infos)
-        mod.register_kv_cache(2, [W(d_t)], "m", 1, EngineType.VLLM, hints, infos)
+        mod.register_kv_cache(1, [roundtrip._Wrapper(s_t)], "m", 1, EngineType.VLLM, hints, infos)
+        mod.register_kv_cache(2, [roundtrip._Wrapper(d_t)], "m", 1, EngineType.VLLM, hints, infos)
         ids_a, ids_b = [3, 5, 7], [10, 2, 8]
         key = IPCCacheServerKey(model_name="m", world_size=1, worker_id=0, token_ids=tuple(range(T)), start=0,
                                 end=T, request_id="r")
@@ -114,7 +66,7 @@ def main() -> None:
         blk = H * B * 2 * D * 2
         ok = sum(int((src[a * blk:(a + 1) * blk] == dst[b * blk:(b + 1) * blk]).sum()) for a, b in zip(ids_a, ids_b))
         foreign = sum(int((dst[L * blk:(L + 1) * blk] != 0xA5).sum()) for L in range(nb) if L not in ids_b)
-        obj = next(iter(ctx.storage_manager.objs.values()), None)
+        obj = next(iter(sm.objs.values()), None)
         result.update(store_ok=st, retrieve_ok=rt, fraction=ok / (blk * len(ids_a)), foreign_bytes=foreign,
                       object_bytes=obj.get_size() if obj else None, block_bytes=blk)
     except Exception as exc:  # noqa: BLE001
