@@ -217,12 +217,17 @@ DRIVER = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
-def test_supervisor_cleans_up_on_signal(standin: Path, tmp_path: Path, sig: int) -> None:
+def _start_driver(standin: Path, tmp_path: Path) -> subprocess.Popen:
+    """A supervising process (DRIVER) that prints its child's pid, then sleeps."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    p = subprocess.Popen([sys.executable, str(driver), str(VERIFY), str(standin)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, str(driver), str(VERIFY), str(standin)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_supervisor_cleans_up_on_signal(standin: Path, tmp_path: Path, sig: int) -> None:
+    p = _start_driver(standin, tmp_path)
     try:
         info = json.loads(p.stdout.readline())
         assert _alive(info["pid"]) and _alive(info["kid"]) and Path(info["dir"]).exists()
@@ -238,10 +243,7 @@ def test_supervisor_cleans_up_on_signal(standin: Path, tmp_path: Path, sig: int)
 
 def test_children_die_with_a_sigkilled_supervisor(standin: Path, tmp_path: Path) -> None:
     """No cleanup code runs on SIGKILL; PR_SET_PDEATHSIG still takes the child down."""
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
-    p = subprocess.Popen([sys.executable, str(driver), str(VERIFY), str(standin)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = _start_driver(standin, tmp_path)
     try:
         info = json.loads(p.stdout.readline())
         assert _alive(info["pid"])
