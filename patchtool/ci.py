@@ -73,8 +73,8 @@ def parse_requirements(path: Path) -> Pin:
     Options lines (``-r``, ``--index-url``) are skipped; ``--hash`` options
     on the lmcache line are kept to compare with the rebuilt wheel."""
     from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.utils import canonicalize_name
 
+    from .distinfo import DIST, canonical_name
     from .wheelbuild import parse_pin, split_local
 
     try:
@@ -96,8 +96,8 @@ def parse_requirements(path: Path) -> Pin:
             raise Refusal(path, f"cannot parse {spec!r} ({exc})") from None
         if req.marker is not None and not req.marker.evaluate():
             continue
-        name = canonicalize_name(req.name)
-        if name == "lmcache":
+        name = canonical_name(req.name)
+        if name == DIST:
             hashes = [o.split("=", 1)[1].strip().removeprefix("sha256:") for o in opts
                       if o.startswith("hash=")]
             lmcache.append((spec, hashes))

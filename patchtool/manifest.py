@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import Refusal
-from .record import parse_record, record_hash
+from .record import record_hash
 
 SCHEMA = "lmcache-patchtool/manifest/v1"
 MANIFEST_NAME = "manifest.json"
@@ -246,27 +246,6 @@ def find_patch_set(root: Path, version: str, set_name: str | None) -> PatchSetDi
 # ---------------------------------------------------------------- building
 
 
-def _wheel_members(wheel: Path) -> tuple[str, dict[str, tuple[str, str]]]:
-    """(lmcache version, RECORD rows as path -> (hash, size)) of a wheel."""
-    import zipfile  # only the build path needs it; status must start fast
-
-    with zipfile.ZipFile(wheel) as zf:
-        names = zf.namelist()
-        records = [n for n in names if n.count("/") == 1 and n.endswith(".dist-info/RECORD")]
-        if len(records) != 1:
-            raise Refusal(wheel, "not a wheel: expected exactly one *.dist-info/RECORD")
-        dist_info = records[0].split("/")[0]
-        meta = zf.read(f"{dist_info}/METADATA").decode("utf-8", "replace")
-        version = next((line.split(":", 1)[1].strip() for line in meta.splitlines()
-                        if line.lower().startswith("version:")), "")
-        name = next((line.split(":", 1)[1].strip() for line in meta.splitlines()
-                     if line.lower().startswith("name:")), "")
-        if name.lower() != "lmcache":
-            raise Refusal(wheel, f"is a wheel of {name!r}, not lmcache")
-        rows = {r.path: (r.hash, r.size) for r in parse_record(zf.read(records[0]))}
-    return version, rows
-
-
 def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
                    vllm_versions: list[str] | None = None, upstream: list[str] | None = None,
                    fixed_upstream: str | None = None, notes: list[str] | None = None,
@@ -278,14 +257,13 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
     applier.  Options not given are kept from an existing manifest, so a
     rebuild with no options reproduces it exactly.
     """
-    import zipfile
-
     from .applier import APPLIES, apply_series, parse_patch
+    from .distinfo import Wheel
 
     directory = Path(directory)
     wheel = Path(wheel)
-    if not wheel.is_file():
-        raise Refusal(wheel, "no such wheel file")
+    with Wheel.open(wheel) as whl:  # refuses a missing file, a non-wheel, another project
+        version = whl.version
     existing = None
     if (directory / MANIFEST_NAME).exists():
         existing = load_manifest(directory / MANIFEST_NAME)
@@ -300,7 +278,6 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
     if fixed_upstream is None and existing and existing.state == STATE_FIXED_UPSTREAM:
         fixed_upstream = existing.reason
 
-    version, rows = _wheel_members(wheel)
     if version != directory.name:
         raise Refusal(wheel, f"is lmcache {version}, but the patch set directory is for {directory.name}")
 
@@ -334,17 +311,10 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
             raise Refusal(directory, "contains no *.patch files (use --fixed-upstream REASON "
                           "for a version that needs none)")
         patches = [parse_patch(p) for p in patch_paths]
-        with zipfile.ZipFile(wheel) as zf:
-            names = set(zf.namelist())
-
+        with Wheel.open(wheel) as whl:
             def read(path: str) -> bytes | None:
-                if path not in names:
-                    return None
-                data = zf.read(path)
-                row = rows.get(path)
-                if row is None or row[0] != record_hash(data) or row[1] != str(len(data)):
-                    raise Refusal(wheel, f"{path} does not match the wheel's own RECORD")
-                return data
+                # Pre-images are the wheel's files as its own RECORD vouches for them.
+                return whl.member(path) if whl.has(path) else None
 
             pristine: dict[str, FileHash] = {}
             steps: dict[str, dict[str, FileHash]] = {}

@@ -112,35 +112,17 @@ def _dedupe_existing(dirs: list[str]) -> list[str]:
     return out
 
 
-def _normalize(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
 def _lmcache_dists(site_dir: str) -> list[Path]:
-    found = []
-    for entry in os.scandir(site_dir):
-        name = entry.name
-        for suffix in (".dist-info", ".egg-info"):
-            if name.endswith(suffix) and "-" in name[: -len(suffix)]:
-                project = name[: -len(suffix)].split("-", 1)[0]
-                if _normalize(project) == DIST_NAME:
-                    found.append(Path(entry.path))
-        if name.endswith(".egg-link") and _normalize(name[: -len(".egg-link")]) == DIST_NAME:
-            found.append(Path(entry.path))
-    return sorted(found)
+    from .distinfo import project_of
+
+    return sorted(Path(entry.path) for entry in os.scandir(site_dir)
+                  if project_of(entry.name) == DIST_NAME)
 
 
 def _read_metadata_version(dist_info: Path) -> str:
-    try:
-        with open(dist_info / "METADATA", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if not line.strip():
-                    break  # end of the headers
-                if line.lower().startswith("version:"):
-                    return line.split(":", 1)[1].strip()
-    except FileNotFoundError:
-        raise Refusal(dist_info / "METADATA", "missing: the distribution is incomplete") from None
-    raise Refusal(dist_info / "METADATA", "has no Version header")
+    from .distinfo import read_metadata
+
+    return read_metadata(dist_info).version
 
 
 def _refuse_non_wheel_install(dist: Path) -> dict | None:

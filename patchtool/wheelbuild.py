@@ -30,17 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
+from .distinfo import DIST
 from .errors import Refusal
 from .exitcodes import ExitCode
 from .manifest import sha256_file
 
 PROVENANCE_FILE = "lmcache_patchtool.json"
 PROVENANCE_SCHEMA = "lmcache-patchtool/wheel-provenance/v1"
-DIST = "lmcache"
 # The local version segment this tool writes: "<set, alphanumerics only>.r<revision>".
 _LOCAL = re.compile(r"^(?P<public>[^+]+)\+(?P<tag>[a-z0-9]+)\.r(?P<rev>[0-9]+)$")
-# Signature files a wheel may carry next to RECORD; RECORD lists them without a hash.
-_UNHASHED_DIST_INFO = ("RECORD", "RECORD.jws", "RECORD.p7s")
 
 
 def local_tag(set_name: str, revision: int) -> str:
@@ -62,13 +60,14 @@ def parse_pin(text: str) -> tuple[str, str]:
     exact ``==``/``===`` pin of lmcache is refused: the gate must know which
     wheel it tests."""
     from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.utils import canonicalize_name
+
+    from .distinfo import canonical_name
 
     try:
         req = Requirement(text)
     except InvalidRequirement as exc:
         raise Refusal(text, f"not a valid requirement ({exc})") from None
-    if canonicalize_name(req.name) != DIST:
+    if canonical_name(req.name) != DIST:
         raise Refusal(text, f"is a requirement of {req.name!r}, not lmcache")
     specs = list(req.specifier)
     if req.url or len(specs) != 1 or specs[0].operator not in ("==", "===") \
@@ -115,51 +114,29 @@ class WheelBuild:
     record_rows: int = 0
 
 
-@dataclass
-class _Source:
-    dist_info: str  # "lmcache-0.5.3.dist-info"
-    version: str
-    rows: list  # RecordRow, in order
-    line_end: str
+def _read_source(whl) -> None:
+    """Refuse a source wheel this tool built itself (``distinfo.Wheel`` has
+    already refused anything that is not an lmcache wheel)."""
+    if split_local(whl.version)[1] is not None or whl.has(f"{whl.dist_info}/{PROVENANCE_FILE}"):
+        raise Refusal(whl.path, f"is already a patched wheel (lmcache {whl.version}); build from "
+                      "the upstream wheel")
 
 
-def _read_source(zf, wheel: Path) -> _Source:
-    from .record import parse_record
-
-    records = [n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/RECORD")]
-    if len(records) != 1:
-        raise Refusal(wheel, "not a wheel: expected exactly one *.dist-info/RECORD")
-    dist_info = records[0].split("/")[0]
-    meta = zf.read(f"{dist_info}/METADATA").decode("utf-8", "replace")
-    headers = meta.split("\n\n", 1)[0].splitlines()
-    name = next((h.split(":", 1)[1].strip() for h in headers if h.lower().startswith("name:")), "")
-    version = next((h.split(":", 1)[1].strip() for h in headers
-                    if h.lower().startswith("version:")), "")
-    if name.lower() != DIST:
-        raise Refusal(wheel, f"is a wheel of {name!r}, not lmcache")
-    if split_local(version)[1] is not None or f"{dist_info}/{PROVENANCE_FILE}" in zf.namelist():
-        raise Refusal(wheel, f"is already a patched wheel (lmcache {version}); build from the "
-                      "upstream wheel")
-    raw = zf.read(records[0])
-    return _Source(dist_info, version, parse_record(raw), "\r\n" if b"\r\n" in raw else "\n")
-
-
-def check_source(zf, wheel: Path, sha: str, src: _Source,
-                 manifest) -> tuple[str, list[str], dict]:
+def check_source(whl, sha: str, manifest) -> tuple[str, list[str], dict]:
     """Refuse (WHEEL_MISMATCH) unless every target file is the manifest's
     pre-image and every member matches the wheel's RECORD.  Returns
     (verified_by, warnings, {path: pristine bytes})."""
     from .manifest import FileHash
-    from .record import record_hash
 
-    names = set(zf.namelist())
+    wheel = whl.path
     pristine: dict[str, bytes] = {}
     for path in manifest.files:
         pre = manifest.hash_after(path, 0)
-        if path not in names:
+        if not whl.has(path):
             raise Refusal(wheel, f"has no {path}, which the patch set edits",
                           ExitCode.WHEEL_MISMATCH)
-        data = zf.read(path)
+        # Against the manifest first, so a changed target file is named as such.
+        data = whl.read(path)
         got = FileHash.of(data)
         if got != pre:
             raise Refusal(wheel, f"{path} has {got.hash} (size {got.size}), but the manifest's "
@@ -168,25 +145,7 @@ def check_source(zf, wheel: Path, sha: str, src: _Source,
         pristine[path] = data
     # Every member against the wheel's own RECORD: the rebuilt RECORD keeps
     # these rows, so a member that does not match must not slip through.
-    rows = {r.path: r for r in src.rows}
-    for info in zf.infolist():
-        if info.is_dir():
-            continue
-        row = rows.get(info.filename)
-        if info.filename.startswith(src.dist_info + "/") and \
-                info.filename.rsplit("/", 1)[1] in _UNHASHED_DIST_INFO:
-            continue
-        if row is None or not row.hash:
-            raise Refusal(wheel, f"{info.filename} has no hashed RECORD row",
-                          ExitCode.WHEEL_MISMATCH)
-        data = zf.read(info)
-        if row.hash != record_hash(data) or (row.size and int(row.size) != len(data)):
-            raise Refusal(wheel, f"{info.filename} does not match the wheel's own RECORD "
-                          "(the wheel was modified after it was built)", ExitCode.WHEEL_MISMATCH)
-    missing = sorted(p for p, r in rows.items() if r.hash and p not in names)
-    if missing:
-        raise Refusal(wheel, f"RECORD lists {missing[0]}, which the wheel does not contain",
-                      ExitCode.WHEEL_MISMATCH)
+    whl.check_all(ExitCode.WHEEL_MISMATCH)
     warnings = []
     if sha == manifest.wheel.get("sha256"):
         verified_by = "wheel sha256"
@@ -225,24 +184,12 @@ def _metadata_with_version(data: bytes, version: str) -> bytes:
     raise Refusal("METADATA", "has no Version header")
 
 
-def _render_rows(rows: list, line_end: str) -> bytes:
-    import csv
-    import io
-
-    out = io.StringIO(newline="")
-    writer = csv.writer(out, lineterminator=line_end)
-    for r in rows:
-        writer.writerow([r.path, r.hash, r.size])
-    return out.getvalue().encode("utf-8")
-
-
 def build(wheel: Path, pset, out_dir: Path) -> WheelBuild:
     """Build the patched wheel of ``wheel`` with patch set ``pset`` into
     ``out_dir``; refuses (nothing written) when the wheel does not match."""
-    import zipfile
-
     from . import wheelzip
     from .applier import APPLIES, apply_series
+    from .distinfo import Wheel
     from .manifest import STATE_FIXED_UPSTREAM, FileHash
     from .record import RecordRow
 
@@ -253,17 +200,13 @@ def build(wheel: Path, pset, out_dir: Path) -> WheelBuild:
     if m.state == STATE_FIXED_UPSTREAM:
         raise Refusal(pset.path / "manifest.json", f"lmcache {pset.version} needs no patch: "
                       f"{m.reason}", ExitCode.FIXED_UPSTREAM)
-    try:
-        zf = zipfile.ZipFile(wheel)
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise Refusal(wheel, f"not a readable zip ({exc})") from None
-    with zf, open(wheel, "rb") as raw:
-        src = _read_source(zf, wheel)
-        if src.version != pset.version:
-            raise Refusal(wheel, f"is lmcache {src.version}, but the patch set is for "
+    with Wheel.open(wheel) as whl, open(wheel, "rb") as raw:
+        _read_source(whl)
+        if whl.version != pset.version:
+            raise Refusal(wheel, f"is lmcache {whl.version}, but the patch set is for "
                           f"{pset.version}")
         src_sha = sha256_file(wheel)
-        verified_by, warnings, pristine = check_source(zf, wheel, src_sha, src, m)
+        verified_by, warnings, pristine = check_source(whl, src_sha, m)
 
         series = apply_series(pset.load_patches(), lambda p: pristine.get(p))
         bad = [r for r in series.results if r.status != APPLIES]
@@ -279,39 +222,40 @@ def build(wheel: Path, pset, out_dir: Path) -> WheelBuild:
                               f"not give the manifest's post-image {want.hash}")
             patched[path] = out
 
-        new_version = f"{src.version}+{local_tag(pset.name, m.revision)}"
+        src_di = whl.dist_info
+        new_version = f"{whl.version}+{local_tag(pset.name, m.revision)}"
         new_di = f"{DIST}-{new_version}.dist-info"
-        filename = _new_filename(wheel, src.version, new_version)
+        filename = _new_filename(wheel, whl.version, new_version)
 
         def rename(name: str) -> str:
-            return new_di + name[len(src.dist_info):] if name.startswith(src.dist_info + "/") \
-                else name
+            return new_di + name[len(src_di):] if name.startswith(src_di + "/") else name
 
-        meta_name = f"{src.dist_info}/METADATA"
-        record_name = f"{src.dist_info}/RECORD"
-        metadata = _metadata_with_version(zf.read(meta_name), new_version)
+        meta_name = f"{src_di}/METADATA"
+        record_name = whl.record_name
+        metadata = _metadata_with_version(whl.read(meta_name), new_version)
         provenance = _provenance(wheel, src_sha, pset, verified_by, new_version, pristine,
                                  patched)
         prov_name = f"{new_di}/{PROVENANCE_FILE}"
 
-        # RECORD: every source row in order; the edited files and METADATA
-        # rehashed; the provenance row just before RECORD's own row.
-        new_rows = []
+        # RECORD: every source row in order, in the source's line ending; the
+        # edited files and METADATA rehashed, the dist-info rows renamed, the
+        # provenance row just before RECORD's own row.
         changed = {**patched, meta_name: metadata}
-        for r in src.rows:
+        edits: dict[str, RecordRow] = {}
+        for r in whl.record.rows:
             if r.path == record_name:
-                new_rows.append(RecordRow(prov_name, FileHash.of(provenance).hash,
-                                          str(len(provenance))))
-                new_rows.append(RecordRow(rename(r.path), "", ""))
+                edits[r.path] = RecordRow(rename(r.path), "", "")
             elif r.path in changed:
                 fh = FileHash.of(changed[r.path])
-                new_rows.append(RecordRow(rename(r.path), fh.hash, str(fh.size)))
-            else:
-                new_rows.append(RecordRow(rename(r.path), r.hash, r.size))
-        record = _render_rows(new_rows, src.line_end)
+                edits[r.path] = RecordRow(rename(r.path), fh.hash, str(fh.size))
+            elif rename(r.path) != r.path:
+                edits[r.path] = RecordRow(rename(r.path), r.hash, r.size)
+        prov_row = RecordRow(prov_name, FileHash.of(provenance).hash, str(len(provenance)))
+        new_record = whl.record.with_rows(edits, insert_before={record_name: [prov_row]})
+        record = new_record.render()
 
         members = []
-        for info in zf.infolist():
+        for info in whl.infolist():
             name = info.filename
             if name == record_name:
                 members.append(wheelzip.stored(prov_name, provenance))
@@ -325,17 +269,17 @@ def build(wheel: Path, pset, out_dir: Path) -> WheelBuild:
     out_dir.mkdir(parents=True, exist_ok=True)
     dest = out_dir / filename
     wheelzip.write_zip(dest, members)
-    check_built(dest)
+    check_built(dest, new_version)
     sha = sha256_file(dest)
     return WheelBuild(
         path=str(dest), filename=filename, sha256=sha, version=new_version,
-        lmcache_version=src.version, patch_set=pset.name, revision=m.revision,
+        lmcache_version=pset.version, patch_set=pset.name, revision=m.revision,
         requirement=f"{DIST}=={new_version} --hash=sha256:{sha}",
         source={"filename": wheel.name, "sha256": src_sha, "verified_by": verified_by},
         warnings=warnings,
         files={p: {"pre": m.hash_after(p, 0).hash, "post": FileHash.of(b).hash}
                for p, b in patched.items()},
-        members=len(members), record_rows=len(new_rows))
+        members=len(members), record_rows=len(new_record))
 
 
 def _provenance(wheel: Path, src_sha: str, pset, verified_by: str, new_version: str,
@@ -364,50 +308,39 @@ def _provenance(wheel: Path, src_sha: str, pset, verified_by: str, new_version: 
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
-def check_built(path: Path) -> None:
-    """Re-read a built wheel: every CRC, and every member against its RECORD.
-    A failure here is a bug in this module, so it is not a Refusal."""
-    import zipfile
+def check_built(path: Path, version: str | None = None) -> None:
+    """Re-read a built wheel: every CRC, its METADATA version, and every
+    member against its RECORD.  A failure here is a bug in this module, so
+    it is not a Refusal."""
+    from .distinfo import Wheel
 
-    from .record import parse_record, record_hash
-
-    with zipfile.ZipFile(path) as zf:
-        bad = zf.testzip()
-        if bad is not None:
-            raise RuntimeError(f"{path}: member {bad} fails its CRC")
-        rec = [n for n in zf.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1]
-        rows = {r.path: r for r in parse_record(zf.read(rec[0]))}
-        for info in zf.infolist():
-            if info.is_dir() or info.filename == rec[0]:
-                continue
-            row = rows.get(info.filename)
-            if row is None or row.hash != record_hash(zf.read(info)):
-                raise RuntimeError(f"{path}: {info.filename} does not match the new RECORD")
+    try:
+        with Wheel.open(path) as whl:
+            bad = whl.zf.testzip()
+            if bad is not None:
+                raise RuntimeError(f"{path}: member {bad} fails its CRC")
+            if version is not None and whl.version != version:
+                raise RuntimeError(f"{path}: METADATA says {whl.version}, not {version}")
+            whl.check_all()
+    except Refusal as exc:
+        raise RuntimeError(f"built wheel {exc}") from None
 
 
 def read_provenance(dist_info: Path) -> dict | None:
     """The provenance file of an installed patched wheel, or None."""
-    try:
-        return json.loads((dist_info / PROVENANCE_FILE).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        raise Refusal(dist_info / PROVENANCE_FILE, "not valid JSON") from None
+    from .distinfo import read_json
 
+    return read_json(Path(dist_info) / PROVENANCE_FILE)
 
 
 def wheel_version(wheel: Path) -> str:
-    """The lmcache version in a wheel's METADATA (refuses a non-lmcache wheel)."""
-    import zipfile
+    """The lmcache version in a wheel's METADATA (refuses a non-lmcache wheel,
+    and a wheel this tool patched)."""
+    from .distinfo import Wheel
 
-    wheel = Path(wheel)
-    if not wheel.is_file():
-        raise Refusal(wheel, "no such wheel file")
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            return _read_source(zf, wheel).version
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise Refusal(wheel, f"not a readable zip ({exc})") from None
+    with Wheel.open(Path(wheel)) as whl:
+        _read_source(whl)
+        return whl.version
 
 
 def locate_patch_set(root: Path, version: str, set_name: str | None):
