@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from _cli import cli
 
 from . import synthwheel as sw
