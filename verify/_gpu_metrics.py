@@ -185,16 +185,21 @@ def snapshot(samples: Samples, table: Mapping[str, tuple[str, ...]]) -> Snapshot
 
 
 def delta(before: Snapshot, after: Snapshot) -> dict[str, float | None]:
-    """after - before per key; None when either side lacks the counter.
+    """after - before per key; None when ``after`` lacks the counter.
 
+    A counter absent *before* counts as 0: LMCache's OpenTelemetry Prometheus
+    exporter omits a counter until its first increment, so a freshly restarted
+    server has no ``lmcache_mp_l2_prefetch_*`` series before the first request.
     A counter that went backwards (a restarted process) is reported as the
     ``after`` value, the Prometheus ``increase()`` convention.
     """
     out: dict[str, float | None] = {}
     for key, a in after.values.items():
         b = before.values.get(key)
-        if a is None or b is None:
+        if a is None:
             out[key] = None
+        elif b is None:
+            out[key] = a
         else:
             out[key] = a - b if a >= b else a
     return out

@@ -79,6 +79,11 @@ class VllmSettings:
     block_size: int | None = None
     enforce_eager: bool = True
     seed: int = 0
+    # vLLM 0.27.1 leaves prefix caching off for hybrid models unless asked; the Mamba
+    # cache mode then becomes 'none' and LMCache refuses the model.  Passed in every
+    # arm (the cold one too, so chunking is the same everywhere).
+    enable_prefix_caching: bool = True
+    mamba_cache_mode: str | None = "align"
     extra_args: tuple[str, ...] = ()
 
 
@@ -101,6 +106,10 @@ def vllm_argv(prefix: Sequence[str], s: VllmSettings, kv_cfg: dict[str, Any] | N
         argv += ["--block-size", str(s.block_size)]
     if s.enforce_eager:
         argv += ["--enforce-eager"]
+    if s.enable_prefix_caching:
+        argv += ["--enable-prefix-caching"]
+    if s.mamba_cache_mode:
+        argv += ["--mamba-cache-mode", s.mamba_cache_mode]
     if kv_cfg is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_cfg, separators=(",", ":"))]
     return argv + list(s.extra_args)

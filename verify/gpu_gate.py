@@ -97,6 +97,8 @@ class GateConfig:
     gpu_memory_utilization: float = 0.5
     dtype: str = "auto"
     enforce_eager: bool = True
+    enable_prefix_caching: bool = True  # every arm: hybrid models need it for LMCache (issue 16)
+    mamba_cache_mode: str | None = "align"  # every arm; "" omits the flag
     vllm_extra_args: list[str] = field(default_factory=list)
     # LMCache
     l1_size_gb: float = 8.0
@@ -493,7 +495,9 @@ class GateRun:
                              gpu_memory_utilization=c.gpu_memory_utilization,
                              tensor_parallel_size=c.tensor_parallel_size, attention_backend=c.attention_backend,
                              gdn_prefill_backend=c.gdn_prefill_backend, block_size=c.vllm_block_size,
-                             enforce_eager=c.enforce_eager, seed=c.seed, extra_args=tuple(c.vllm_extra_args))
+                             enforce_eager=c.enforce_eager, seed=c.seed,
+                             enable_prefix_caching=c.enable_prefix_caching,
+                             mamba_cache_mode=c.mamba_cache_mode or None, extra_args=tuple(c.vllm_extra_args))
         kv_cfg = gs.kv_transfer_config(c.host, self.ports["lmcache"]) if kv else None
         argv = gs.vllm_argv(prefix, st, kv_cfg)
         self._start(f"vllm-{role}", role + "-vllm", argv,
@@ -831,6 +835,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     g.add_argument("--dtype", default="auto")
     g.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not pass --enable-prefix-caching (vLLM 0.27.1 needs it for hybrid models with LMCache)")
+    g.add_argument("--mamba-cache-mode", default="align",
+                   help="passed to vLLM in every arm (default align; '' omits it)")
     g.add_argument("--vllm-arg", dest="vllm_extra_args", action="append", default=[],
                    help="extra vLLM argument (repeatable; use --vllm-arg=--flag)")
     g = ap.add_argument_group("LMCache")

@@ -45,7 +45,9 @@ def test_snapshot_resolves_vllm_and_lmcache_names():
 def test_delta_handles_missing_and_resets():
     a = gm.Snapshot({"x": 10.0, "y": None, "z": 5.0}, {})
     b = gm.Snapshot({"x": 25.0, "y": 3.0, "z": 2.0}, {})
-    assert gm.delta(a, b) == {"x": 15.0, "y": None, "z": 2.0}
+    # y absent before: 0 (OTel omits unset counters); absent after: None
+    assert gm.delta(a, b) == {"x": 15.0, "y": 3.0, "z": 2.0}
+    assert gm.delta(b, a) == {"x": 10.0, "y": None, "z": 3.0}
 
 
 @pytest.mark.parametrize("bad", ["metric{a=1} 3", "metric 3 4 5", "metric notanumber", '{a="1"} 2'])

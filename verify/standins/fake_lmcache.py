@@ -15,6 +15,11 @@ spoken by ``fake_vllm.py``.  "KV" is the chunk's token ids.
                  first kernel page of every chunk (the rest becomes token 0).
 * ``nolog``      stores correctly but logs no group line.
 * ``nometrics``  serves ``/metrics`` without any lmcache_mp counter.
+
+``/metrics`` behaves like LMCache's OpenTelemetry Prometheus exporter: a
+counter that was never incremented is not exported at all (a freshly started
+server has no ``lmcache_mp_l2_prefetch_*`` series before its first L2 read).
+``--fake-metrics zeros`` exports every counter from the start instead.
 * ``noflush``    never completes L2 stores.
 * ``crash``      exits with status 3 before becoming healthy.
 * ``hang``       never becomes healthy.
@@ -47,6 +52,8 @@ def main() -> None:
     ap.add_argument("--l2-adapter", action="append", default=[])
     ap.add_argument("--fake-mode", default=os.environ.get("FAKE_LMCACHE_MODE", "patched"))
     ap.add_argument("--fake-flush-delay", type=float, default=0.3)
+    ap.add_argument("--fake-metrics", choices=["otel", "zeros"], default=os.environ.get("FAKE_LMCACHE_METRICS", "otel"),
+                    help="otel: omit counters until their first increment (LMCache's exporter); zeros: export all")
     args, _unknown = ap.parse_known_args()
     mode = args.fake_mode
 
@@ -174,6 +181,8 @@ def main() -> None:
         with lock:
             snap = dict(counters)
         for key, name in names.items():
+            if args.fake_metrics == "otel" and not snap[key]:
+                continue  # the OTel exporter has no data point for a counter never added to
             lines += [f"# HELP {name} ", f"# TYPE {name} counter", f'{name}{{l2_name="fs"}} {float(snap[key])}']
         return 200, "text/plain; version=0.0.4", "\n".join(lines) + "\n"
 

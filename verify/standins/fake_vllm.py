@@ -19,6 +19,13 @@ healthy) | ``corrupt`` (keys read from restored chunks come back wrong) |
 ``slowstop`` (ignores SIGTERM; needs SIGKILL) | ``gpu-leak`` (GPU memory is
 never given back: ``$FAKE_GPU_STATE/stuck``) | ``unhealthy-after=N`` (/health
 and requests fail after N completions) | ``nohits`` (never asks LMCache).
+
+The model is hybrid (Mamba/GDN + attention) unless its ``config.json`` says
+``"fake_pure_attention": true``.  As in vLLM 0.27.1, prefix caching is off for a
+hybrid model unless ``--enable-prefix-caching`` is given, and the Mamba cache
+mode is then ``none`` unless ``--mamba-cache-mode`` says otherwise; with an
+LMCache connector and mode ``none`` the start fails with LMCache's refusal.
+Without prefix caching there are no local (APC) hits.
 """
 
 from __future__ import annotations
@@ -68,6 +75,9 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--enable-prefix-caching", dest="prefix_caching", action="store_true", default=None)
+    ap.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
+    ap.add_argument("--mamba-cache-mode", default=None)
     ap.add_argument("--fake-mode", default=os.environ.get("FAKE_VLLM_MODE", "normal"))
     ap.add_argument("--fake-block", type=int, default=int(os.environ.get("FAKE_VLLM_BLOCK", "544")))
     ap.add_argument("--fake-prefill-us", type=float, default=float(os.environ.get("FAKE_PREFILL_US", "40")))
@@ -81,6 +91,20 @@ def main() -> None:
     unhealthy_after = int(mode.split("=")[1]) if mode.startswith("unhealthy-after=") else None
 
     log(f"INFO vLLM stand-in: model {args.model}, mode {mode}")
+    try:
+        model_cfg = json.loads((Path(args.model) / "config.json").read_text())
+    except (OSError, ValueError):
+        model_cfg = {}
+    hybrid = not model_cfg.get("fake_pure_attention", False)
+    # vLLM 0.27.1: prefix caching defaults off for hybrid models (engine/arg_utils.py), and then
+    # the Mamba cache mode resolves to 'none' (model_executor/models/config.py).
+    prefix_caching = args.prefix_caching if args.prefix_caching is not None else not hybrid
+    mamba_mode = args.mamba_cache_mode or ("align" if prefix_caching else "none")
+    log(f"INFO prefix caching {'enabled' if prefix_caching else 'disabled'}, "
+        f"mamba_cache_mode={mamba_mode if hybrid else 'n/a'}")
+    if args.kv_transfer_config and hybrid and mamba_mode == "none":
+        die("ValueError: LMCache cannot serve this model's KV cache groups: the model has Mamba layers "
+            "and mamba_cache_mode='none' (enable prefix caching, or pass --mamba-cache-mode align).")
     if mode == "crash":
         die("RuntimeError: simulated engine startup failure", 3)
     core = subprocess.Popen([sys.executable, "-c", ENGINE_CORE, "leaky" if mode == "leaky" else "normal",
@@ -163,7 +187,7 @@ def main() -> None:
         view = list(ids)
         local = 0
         with lock:
-            while local < full and hashes[local] in apc:
+            while prefix_caching and local < full and hashes[local] in apc:
                 local += 1
         ext = 0
         if lm_url and mode != "nohits" and full > local:
