@@ -1,6 +1,6 @@
 """Strict, in-memory unified-diff applier on top of unidiff's parser.
 
-Rules (DEVELOPERS.md, zero fuzz):
+Rules (README, "Guarantees": zero fuzz):
 
 * a hunk applies only when its context and removed lines match the file
   byte-for-byte at exactly the line its header states: no offset search, no

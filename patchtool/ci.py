@@ -268,9 +268,9 @@ def run_ci(*, pin: str | None, requirements: str | None, wheel: str | None,
             ctx["env"] = runner.resolve(exe, str(ctx["site"]), ctx["site"],
                                         "the ci gate's round-trip and restore phases")
             ctx["vctx"] = vc.CheckContext(disc.target, st, ctx["pset"], resources.verify_root(),
-                                          {"env": ctx["env"], "presets": presets or [],
-                                           "timeout": timeout, "echo": echo,
-                                           "matrix": roundtrip_matrix})
+                                          vc.CheckOptions(env=ctx["env"], presets=presets or [],
+                                                          timeout=timeout, echo=echo,
+                                                          matrix=roundtrip_matrix))
 
         def check(name: str) -> Callable[[Phase], None]:
             def run(ph: Phase) -> None:

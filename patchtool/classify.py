@@ -9,24 +9,46 @@ STATES.  Pure reading: nothing here writes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from . import __version__
+from .exitcodes import ExitCode
 from .manifest import STATE_FIXED_UPSTREAM, FileHash, PatchSetDir
-from .record import check_rows, parse_record
+from .errors import Refusal
+from .fsio import Reader
+from .record import Record, check_rows
 from .target import Discovery, Target
 from .wheelbuild import read_provenance, split_local
 
-NOT_INSTALLED = "not-installed"
-PRISTINE = "pristine"
-PATCHED = "patched"
-PATCHED_OLDER = "patched-older-revision"
-PARTIAL = "partially-patched"
-DRIFTED = "drifted"
-UNSUPPORTED = "unsupported-version"
-FIXED_UPSTREAM = "fixed-upstream"
-STATES = (NOT_INSTALLED, PRISTINE, PATCHED, PATCHED_OLDER, PARTIAL, DRIFTED, UNSUPPORTED,
-          FIXED_UPSTREAM)
+class State(str, Enum):
+    """The overall state of an install; each carries the exit code ``verify``
+    returns for it (README, "States"), so no table elsewhere maps the two."""
+
+    NOT_INSTALLED = ("not-installed", ExitCode.NOT_INSTALLED)
+    PRISTINE = ("pristine", ExitCode.PRISTINE)
+    PATCHED = ("patched", ExitCode.OK)
+    PATCHED_OLDER = ("patched-older-revision", ExitCode.PATCHED_OLDER_REVISION)
+    PARTIAL = ("partially-patched", ExitCode.PARTIALLY_PATCHED)
+    DRIFTED = ("drifted", ExitCode.DRIFTED)
+    UNSUPPORTED = ("unsupported-version", ExitCode.UNSUPPORTED_VERSION)
+    FIXED_UPSTREAM = ("fixed-upstream", ExitCode.FIXED_UPSTREAM)
+
+    def __new__(cls, value: str, exit_code: ExitCode) -> "State":
+        obj = str.__new__(cls, value)
+        obj._value_ = value
+        obj.exit_code = exit_code
+        return obj
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+NOT_INSTALLED, PRISTINE, PATCHED, PATCHED_OLDER, PARTIAL, DRIFTED, UNSUPPORTED, \
+    FIXED_UPSTREAM = tuple(State)
+STATES = tuple(s.value for s in State)
 
 # Per-file states.
 F_PRISTINE, F_PATCHED, F_PARTIAL, F_OLDER, F_DRIFTED, F_MISSING = (
@@ -60,7 +82,7 @@ class RecordSummary:
 
 @dataclass
 class Status:
-    state: str
+    state: State
     detail: str
     tool_version: str
     python: str | None
@@ -99,6 +121,16 @@ DISK_TIER_WARNING = (
 )
 
 
+# Policy for a RECORD row that disagrees with its file (the install was edited
+# or half-reinstalled): status reports it, apply refuses it as drifted unless
+# --accept-record-mismatch, and revert puts back the row as it was.
+RECORD_MISMATCH_NOTE = (
+    "RECORD's row for {path} does not match the file: the install is inconsistent. "
+    "apply refuses it; reinstall lmcache, or pass --accept-record-mismatch to patch it "
+    "anyway"
+)
+
+
 def patch_set_key(target: Target) -> tuple[str, str | None]:
     """(version, set name) to look the patch set up with: a patched wheel's
     ``0.5.3+hybridfa.r1`` is still lmcache 0.5.3, of the set its provenance names."""
@@ -117,15 +149,9 @@ def wheel_build_info(target: Target) -> dict | None:
     return None
 
 
-def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None
-
-
 def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = False,
-             set_name: str | None = None) -> Status:
+             set_name: str | None = None, reader: Reader | None = None) -> Status:
+    reader = reader or Reader()
     t = discovery.target
     st = Status(NOT_INSTALLED, "lmcache is not installed", __version__, discovery.python,
                 discovery.python_version, discovery.site_dirs)
@@ -136,7 +162,10 @@ def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = Fal
     st.install_source = (t.direct_url or {}).get("url", "index") if t.direct_url else "index"
     st.wheel_build = wheel_build_info(t)
 
-    record_rows = parse_record(t.record_path.read_bytes())
+    record_bytes = reader.read(t.record_path)
+    if record_bytes is None:
+        raise Refusal(t.record_path, "missing: without RECORD the install cannot be checked")
+    record_rows = Record.parse(record_bytes, t.record_path).rows
     if pset is None:
         st.state = UNSUPPORTED
         st.detail = (f"no patch set{' ' + set_name if set_name else ''} for lmcache {t.version}")
@@ -159,7 +188,11 @@ def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = Fal
     older_ok = {p["revision"]: True for p in m.previous_revisions}
     any_missing_or_drift = False
     for path in m.files:
-        data = _read(t.site / path)
+        link = reader.link_on(t.site, path)
+        if link is not None:
+            raise Refusal(link, f"is a symbolic link (on the path of {path}); patchtool "
+                          "classifies and edits only regular files inside site-packages")
+        data = reader.read(t.site / path)
         pre, post = m.hash_after(path, 0), m.hash_after(path, n)
         fs = FileStatus(path, F_MISSING, None, None, pre.hash, post.hash)
         st.files.append(fs)
@@ -214,6 +247,9 @@ def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = Fal
                      else "files are at different patch steps")
     if st.state in (PATCHED, PATCHED_OLDER, PARTIAL):
         st.notes.append(DISK_TIER_WARNING)
+    inconsistent = [f.path for f in st.files if f.record_row == "mismatch"]
+    if inconsistent and st.state != PATCHED:
+        st.notes.append(RECORD_MISMATCH_NOTE.format(path=inconsistent[0]))
     st.record = _record_summary(t.site, record_rows, set(m.files), deep)
     return st
 

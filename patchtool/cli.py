@@ -51,12 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--dry-run", action="store_true", help="write nothing; show per-hunk results")
     a.add_argument("--patch", metavar="ID", help="apply the series only up to this patch "
                    "(id, file name or NN prefix)")
+    a.add_argument("--accept-record-mismatch", action="store_true",
+                   help="patch even when a target's RECORD row disagrees with its file "
+                   "(default: refuse such an inconsistent install as drifted)")
     r = sub.add_parser("revert", parents=[common, targeting], help="restore the original files")
     r.add_argument("--dry-run", action="store_true")
     v = sub.add_parser("verify", parents=[common, _targeting(exclusive=False)],
                        help="exit 0 only if patched with the current revision and every hash matches",
                        epilog="Arguments after `--` are passed to the restore script "
                        "(verify/restore_gate.py for cpu, verify/gpu_gate.py for gpu).")
+    v.add_argument("--deep", action="store_true", help="accepted for symmetry with status: "
+                   "verify always checks every RECORD row")
     v.add_argument("--restore", choices=("cpu", "gpu"), help="also run the restore check in the "
                    "target environment (cpu: verify/restore_gate.py; gpu: verify/gpu_gate.py)")
     v.add_argument("--roundtrip", action="store_true", help="also run the in-process round-trip "
@@ -124,7 +129,7 @@ def _session(args, *, writes: bool) -> Iterator[tuple]:
     from .classify import patch_set_key
     from .manifest import find_patch_set
     from .target import discover
-    from .transaction import JOURNAL, Lock, recover
+    from .transaction import Lock, needs_recovery, recover
 
     # --site-packages wins when verify is given both (--python then only runs checks).
     disc = discover(None if args.site_packages else args.python, args.site_packages)
@@ -135,7 +140,7 @@ def _session(args, *, writes: bool) -> Iterator[tuple]:
     # A patched wheel's "0.5.3+hybridfa.r1" is looked up as 0.5.3.
     version, set_hint = patch_set_key(t)
     set_name = args.set_name or set_hint
-    if not writes and not (t.state_dir / JOURNAL).exists():
+    if not writes and not needs_recovery(t.state_dir):
         # Nothing to recover: a reader needs no lock (and works on a site dir
         # it cannot write).
         yield disc, find_patch_set(resources.patches_root(), version, set_name), 0
@@ -175,12 +180,18 @@ def cmd_status(args) -> int:
     with _session(args, writes=False) as (disc, pset, recovered):
         st = classify(disc, pset, deep=args.deep, set_name=args.set_name)
     st.recovered_files = recovered
+    if disc.target is None and not args.python and not args.site_packages:
+        # From pipx, "this interpreter" is pipx's private venv, never the
+        # serving venv: say how to point at it.
+        st.detail += (f" in patchtool's own environment ({sys.prefix}); pass --python "
+                      "VENV/bin/python (or --site-packages DIR) to inspect another install")
     return _emit(args, "status", st)
 
 
 def cmd_apply(args) -> int:
     from . import actions
     from .classify import PATCHED, classify
+    from .planning import refuse_state
     from .target import require_target
 
     # A dry run takes the lock only to recover; it never creates anything.
@@ -188,10 +199,11 @@ def cmd_apply(args) -> int:
         target = require_target(disc)
         st = classify(disc, pset, set_name=args.set_name)
         if pset is None:
-            actions._refuse_state(st, target)
+            refuse_state(st, target)
         if st.wheel_build is not None and (st.state != PATCHED or args.patch is not None):
             _refuse_wheel_install(st, target, "apply")
-        res = actions.apply(target, pset, st, patch_id=args.patch, dry_run=args.dry_run)
+        res = actions.apply(target, pset, st, patch_id=args.patch, dry_run=args.dry_run,
+                            accept_record_mismatch=args.accept_record_mismatch)
         if res.action == "applied":
             res.state_after = classify(disc, pset).state
     return _emit(args, "apply", res)
@@ -249,15 +261,15 @@ def cmd_verify(args) -> int:
     if disc.target is None:
         res = vc.VerifyResult(False, st.state, ExitCode.NOT_INSTALLED, st)
         return _emit(args, "verify", res, res.exit_code)
-    options: dict = {}
+    options = vc.CheckOptions()
     if extra:
         # Refused here, before anything runs, when the interpreter cannot
         # run the checks against THIS install.
         what = "the restore checks"
-        options = {"env": runner.resolve(args.python, args.site_packages, disc.target.site,
-                                         what),
-                   "presets": args.preset or [], "extra_args": args.passthrough,
-                   "timeout": args.check_timeout, "echo": not args.json}
+        options = vc.CheckOptions(
+            env=runner.resolve(args.python, args.site_packages, disc.target.site, what),
+            presets=args.preset or [], extra_args=args.passthrough,
+            timeout=args.check_timeout, echo=not args.json)
     # The checks run outside the session: a long restore gate must not hold
     # the install's lock.
     ctx = vc.CheckContext(disc.target, st, pset, resources.verify_root(), options)
@@ -340,6 +352,16 @@ def main(argv: list[str] | None = None) -> int:
 
         output.refusal(exc, getattr(args, "json", False))
         return int(exc.code)
+    except OSError as exc:
+        # Every OS failure is a one-line refusal, never a traceback.  Writes
+        # are turned into WriteRefusal inside the transaction (after its
+        # rollback); what reaches here failed while reading or probing.
+        from . import output
+        from .fsio import refusal_for
+
+        exc_r = refusal_for(exc.filename or "patchtool", exc, "access it")
+        output.refusal(exc_r, getattr(args, "json", False))
+        return int(exc_r.code)
 
 
 if __name__ == "__main__":

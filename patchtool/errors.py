@@ -1,7 +1,8 @@
 """Exception classes.  A :class:`Refusal` is the only way a command declines to
 act: the CLI prints it as ONE line ``patchtool: <file>: <reason>`` and exits
-with its code, and nothing has been written by then (refusals are raised before
-any transaction starts)."""
+with its code, and nothing has been written by then: refusals are raised
+before any transaction starts, except :class:`WriteRefusal`, which is raised
+only after the transaction that hit it was rolled back."""
 
 from __future__ import annotations
 
@@ -31,3 +32,10 @@ class PatchParseError(Refusal):
 class TargetStateRefusal(Refusal):
     """The install is in a state the command cannot act on (drifted, unsupported
     version, fixed upstream); the code is the state's exit code."""
+
+
+class WriteRefusal(Refusal):
+    """The filesystem refused a write during a transaction (ENOSPC, EFBIG,
+    EROFS, EIO...); the transaction was rolled back before this was raised."""
+
+    code = ExitCode.WRITE_FAILED

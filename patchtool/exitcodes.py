@@ -25,7 +25,7 @@ class ExitCode(IntEnum):
     # Files are at the patched state but some hash check failed
     # (RECORD rows, or a named verify check).
     CHECK_FAILED = 11
-    # Another patchtool holds the lock and --no-wait was given.
+    # Another patchtool held the lock longer than LMCACHE_PATCHTOOL_LOCK_TIMEOUT.
     LOCKED = 12
     # A restore check (verify --restore, verify --roundtrip, the ci gate's
     # roundtrip/restore phases) ran to a verdict, and the verdict is FAIL.
@@ -44,3 +44,6 @@ class ExitCode(IntEnum):
     PIP_FAILED = 17
     # ci: every phase passed but with warnings, and --allow-warnings was not given.
     CI_WARNINGS = 18
+    # The filesystem refused a write (full disk, file-size limit, read-only
+    # mount, I/O error): the transaction was rolled back, nothing changed.
+    WRITE_FAILED = 19

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -72,20 +73,61 @@ class Discovery:
     target: Target | None
 
 
-def _probe_interpreter(python: str) -> tuple[str, str, list[str]]:
-    exe = Path(python)
+def resolve_interpreter(python: str) -> Path:
+    """``--python`` as a shell would run it: a bare name is looked up on PATH,
+    a path is taken relative to the working directory (``./python`` must not
+    become ``python``, which the OS would look up on PATH), and a venv
+    directory means its ``bin/python``.  Links are not resolved: a venv's
+    ``bin/python`` is a link whose own path is what makes it the venv's."""
+    if os.sep not in python and (os.altsep is None or os.altsep not in python):
+        found = shutil.which(python)
+        if found is None:
+            raise Refusal(python, "no such interpreter on PATH (give a path, e.g. "
+                          "/srv/venv/bin/python)")
+        return Path(os.path.abspath(found))
+    exe = Path(os.path.abspath(python))
+    if exe.is_dir():
+        for cand in (exe / "bin" / "python", exe / "bin" / "python3"):
+            if cand.is_file():
+                return cand
+        raise Refusal(python, "is a directory without bin/python: give the venv's "
+                      "interpreter, e.g. VENV/bin/python")
     if not exe.exists():
         raise Refusal(python, "no such interpreter")
+    if not os.access(exe, os.X_OK):
+        raise Refusal(python, "is not executable")
+    return exe
+
+
+def _parse_probe(python: str, stdout: str) -> tuple[str, str, list[str]]:
+    """Validate the probe's one JSON line; anything else is a refusal (a
+    wrapper script that prints a banner, a non-Python program)."""
+    try:
+        info = json.loads(stdout.strip().splitlines()[-1]) if stdout.strip() else None
+        exe, version, dirs = info["executable"], info["version"], info["dirs"]
+        if not (isinstance(exe, str) and isinstance(version, str) and isinstance(dirs, list)
+                and all(d is None or isinstance(d, str) for d in dirs)):
+            raise TypeError
+    except (ValueError, TypeError, KeyError, IndexError):
+        shown = " ".join(stdout.split())[:60] or "nothing"
+        raise Refusal(python, f"did not answer like a Python interpreter (printed: {shown!r})") \
+            from None
+    return exe, version, [d for d in dirs if d]
+
+
+def _probe_interpreter(python: str) -> tuple[str, str, list[str]]:
+    exe = resolve_interpreter(python)
     try:
         proc = subprocess.run([str(exe), "-I", "-c", _SITE_PROBE], capture_output=True,
-                              text=True, timeout=60)
+                              text=True, errors="replace", timeout=60)
     except OSError as exc:
         raise Refusal(python, f"cannot run interpreter: {exc.strerror or exc}") from None
+    except subprocess.TimeoutExpired:
+        raise Refusal(python, "interpreter did not answer within 60 s") from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise Refusal(python, f"interpreter failed to report its site dirs: {last}")
-    info = json.loads(proc.stdout)
-    return info["executable"], info["version"], info["dirs"]
+    return _parse_probe(python, proc.stdout)
 
 
 def _own_site_dirs() -> list[str]:

@@ -10,11 +10,16 @@ Protocol for :func:`commit` (state dir = ``<site>/.lmcache-patchtool``):
 4. each target is ``os.replace``d (or unlinked, for a deletion);
 5. directories are fsynced, then the journal is removed: the commit point.
 
-:func:`recover` (run by every command before it reads anything) rolls an
+:func:`recover` (run by every writing command before it reads anything, and
+by :func:`commit` itself when the filesystem refuses a write) rolls an
 interrupted commit back: each target whose bytes are the new ones gets its
-old bytes back, staged copies are removed, and the journal goes last.  Roll
-back rather than forward, because the old bytes are always complete on disk
-while the new ones may not be.
+old bytes back by renaming its backup into place (a rename needs no free
+space, so a full disk cannot stop the rollback), staged copies are removed,
+and the journal goes last.  Roll back rather than forward, because the old
+bytes are always complete on disk while the new ones may not be.
+
+Every write goes through :mod:`patchtool.fsio`, whose test-only hook can
+crash or fail the tool at any one of them.
 """
 
 from __future__ import annotations
@@ -23,19 +28,16 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import Refusal
+from . import fsio
+from .errors import Refusal, WriteRefusal
 from .exitcodes import ExitCode
 
 JOURNAL = "journal.json"
-# Test-only hook (documented in README): exit abruptly after N replacements,
-# as a kill -9 would, so tests can check that the next command recovers.
-CRASH_ENV = "LMCACHE_PATCHTOOL_CRASH_AFTER_REPLACE"
-CRASH_EXIT = 86
+TX_DIR = "tx"
 LOCK_TIMEOUT_ENV = "LMCACHE_PATCHTOOL_LOCK_TIMEOUT"
 
 
@@ -47,35 +49,6 @@ class Change:
 
 def _sha(data: bytes | None) -> str | None:
     return None if data is None else hashlib.sha256(data).hexdigest()
-
-
-def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durable(path: Path, data: bytes, mode: int | None = None) -> None:
-    """Write ``path`` fully and fsync it (not atomic by itself)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644 if mode is None else mode)
-    try:
-        if mode is not None:
-            os.fchmod(fd, mode)  # umask must not change a replaced file's mode
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Lock:
@@ -91,7 +64,10 @@ class Lock:
         self.fd: int | None = None
 
     def __enter__(self) -> "Lock":
-        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise fsio.refusal_for(self.path, exc, "open the site dir to lock it") from None
         deadline = time.monotonic() + float(os.environ.get(LOCK_TIMEOUT_ENV, "300"))
         while True:
             try:
@@ -114,21 +90,62 @@ def _staging_name(path: Path, txid: str) -> Path:
     return path.with_name(f".{path.name}.patchtool-{txid}.tmp")
 
 
+class _Cursor:
+    """The path the transaction is writing, so a refusal can name it."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+
+    def at(self, path: Path) -> Path:
+        self.path = path
+        return path
+
+
 def commit(state_dir: Path, changes: list[Change]) -> None:
-    """Apply ``changes`` all-or-nothing.  Caller holds :class:`Lock`."""
+    """Apply ``changes`` all-or-nothing.  Caller holds :class:`Lock`.
+
+    A write the filesystem refuses (full disk, ``ulimit -f``, read-only mount,
+    I/O error) rolls the transaction back here and raises
+    :class:`WriteRefusal` naming the path; if even the rollback fails, the
+    journal stays and the next patchtool command finishes it."""
     txid = f"{os.getpid()}-{time.time_ns()}"
-    txdir = state_dir / "tx" / txid
-    txdir.mkdir(parents=True)
+    cur = _Cursor()
+    try:
+        _write(state_dir, txid, changes, cur)
+    except OSError as exc:
+        where = cur.path or state_dir
+        try:
+            if (state_dir / JOURNAL).exists():
+                recover(state_dir)
+            else:
+                for ch in changes:
+                    fsio.unlink(_staging_name(ch.path, txid))
+                fsio.unlink(state_dir / (JOURNAL + ".tmp"))
+                _drop_orphans(state_dir)
+        except (OSError, Refusal):
+            raise WriteRefusal(where, f"cannot write it: {fsio.describe(exc)}; the rollback "
+                               "could not finish either, and the next patchtool command will "
+                               "complete it") from None
+        raise WriteRefusal(where, f"cannot write it: {fsio.describe(exc)}; nothing was "
+                           "changed") from None
+    try:
+        _drop_orphans(state_dir)
+    except OSError:
+        pass  # after the commit point: leftovers are cleared by the next command
+
+
+def _write(state_dir: Path, txid: str, changes: list[Change], cur: _Cursor) -> None:
+    txdir = state_dir / TX_DIR / txid
+    fsio.makedirs(cur.at(txdir))
     entries = []
     for i, ch in enumerate(changes):
-        old = _read(ch.path)
+        old = fsio.read_file(ch.path)
         backup = None
-        if old is not None:
-            backup = txdir / f"{i}.old"
-            write_durable(backup, old)
         mode = None
         if old is not None:
+            backup = txdir / f"{i}.old"
             mode = os.stat(ch.path).st_mode & 0o7777
+            fsio.write_durable(cur.at(backup), old, mode)
         entries.append({
             "path": str(ch.path),
             "staged": None if ch.new is None else str(_staging_name(ch.path, txid)),
@@ -137,31 +154,33 @@ def commit(state_dir: Path, changes: list[Change]) -> None:
             "new_sha256": _sha(ch.new),
             "mode": mode,
         })
-    _fsync_dir(txdir)
+    fsio.fsync_dir(txdir)
     journal = state_dir / JOURNAL
     tmp = state_dir / (JOURNAL + ".tmp")
-    write_durable(tmp, json.dumps({"txid": txid, "entries": entries}, indent=1).encode())
-    os.replace(tmp, journal)
-    _fsync_dir(state_dir)
+    fsio.write_durable(cur.at(tmp), json.dumps({"txid": txid, "entries": entries},
+                                               indent=1).encode())
+    fsio.replace(tmp, cur.at(journal))
+    fsio.fsync_dir(state_dir)
 
     for ch, e in zip(changes, entries):
         if ch.new is not None:
-            ch.path.parent.mkdir(parents=True, exist_ok=True)
-            write_durable(Path(e["staged"]), ch.new, e["mode"])
-    crash_after = int(os.environ.get(CRASH_ENV, "0") or 0)
-    for n, (ch, e) in enumerate(zip(changes, entries), start=1):
+            fsio.makedirs(cur.at(ch.path.parent))
+            fsio.write_durable(cur.at(Path(e["staged"])), ch.new, e["mode"])
+    for ch, e in zip(changes, entries):
         if ch.new is None:
-            if ch.path.exists():
-                os.unlink(ch.path)
+            fsio.unlink(cur.at(ch.path))
         else:
-            os.replace(e["staged"], ch.path)
-        if crash_after and n >= crash_after:
-            os._exit(CRASH_EXIT)
+            fsio.replace(Path(e["staged"]), cur.at(ch.path))
     for parent in sorted({ch.path.parent for ch in changes if ch.path.parent.exists()}):
-        _fsync_dir(parent)
-    os.unlink(journal)  # the commit point
-    _fsync_dir(state_dir)
-    shutil.rmtree(txdir, ignore_errors=True)
+        fsio.fsync_dir(parent)
+    fsio.unlink(cur.at(journal))  # the commit point
+    fsio.fsync_dir(state_dir)
+
+
+def needs_recovery(state_dir: Path) -> bool:
+    """Whether an interrupted transaction left anything: a journal, a
+    half-written one, or backups in ``tx/``."""
+    return any((state_dir / name).exists() for name in (JOURNAL, JOURNAL + ".tmp", TX_DIR))
 
 
 def recover(state_dir: Path) -> int:
@@ -181,35 +200,39 @@ def recover(state_dir: Path) -> int:
     restored = 0
     for e in reversed(entries):
         path = Path(e["path"])
-        current = _sha(_read(path))
+        current = _sha(fsio.read_file(path))
         if current == e["old_sha256"]:
             pass  # never replaced, or already restored by an earlier recovery
         elif current == e["new_sha256"]:
             if e["backup"] is None:
-                os.unlink(path)
+                fsio.unlink(path)
             else:
-                old = Path(e["backup"]).read_bytes()
-                staged = path.with_name(path.name + ".patchtool-restore.tmp")
-                write_durable(staged, old, e.get("mode"))
-                os.replace(staged, path)
+                backup = Path(e["backup"])
+                if e.get("mode") is not None:
+                    fsio.chmod(backup, e["mode"])
+                fsio.replace(backup, path)  # a rename: no free space needed
             restored += 1
         else:
             raise Refusal(path, "changed by something else during an interrupted patchtool "
                           "run; cannot roll back safely (journal: %s)" % journal)
         if e["staged"]:
-            Path(e["staged"]).unlink(missing_ok=True)
+            fsio.unlink(Path(e["staged"]))
     for parent in sorted({Path(e["path"]).parent for e in entries if Path(e["path"]).parent.exists()}):
-        _fsync_dir(parent)
-    os.unlink(journal)
-    _fsync_dir(state_dir)
+        fsio.fsync_dir(parent)
+    fsio.unlink(journal)
+    fsio.fsync_dir(state_dir)
     _drop_orphans(state_dir)
     return restored
 
 
 def _drop_orphans(state_dir: Path) -> None:
-    # Backups of a transaction that died before its journal existed (nothing
-    # was replaced then) or after its commit point.
-    tx = state_dir / "tx"
+    """Remove what no open transaction needs: the backups of a transaction
+    that died before its journal existed (nothing was replaced then) or after
+    its commit point, a half-written journal, and then every empty directory
+    of the state dir (the state dir itself too, when nothing is left)."""
+    tx = state_dir / TX_DIR
     if tx.is_dir():
-        for d in tx.iterdir():
-            shutil.rmtree(d, ignore_errors=True)
+        for d in sorted(tx.iterdir()):
+            fsio.rmtree(d)
+    fsio.unlink(state_dir / (JOURNAL + ".tmp"))
+    fsio.prune_empty_dirs(state_dir)

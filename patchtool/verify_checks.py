@@ -8,7 +8,7 @@ install; ``verify --restore MODE`` additionally runs the check registered as
 check of files that are not the manifest's proves nothing.
 
 The restore checks run a script from ``ctx.verify_root`` by path in the
-target environment (``patchtool.runner``; ``ctx.options["env"]``); this
+target environment (``patchtool.runner``; ``ctx.options.env``); this
 module never imports lmcache or torch.
 
 * ``restore-cpu``   ``verify/restore_gate.py``: store, SIGKILL the real
@@ -23,11 +23,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .classify import PATCHED, Status
 from .manifest import PatchSetDir
 from .target import Target
+
+
+@dataclass
+class CheckOptions:
+    """What the restore checks need; unused by the hash checks."""
+
+    env: Any = None  # runner.RunEnv: the interpreter and PYTHONPATH to run in
+    presets: list[str] = field(default_factory=list)  # restore gate presets (default: all)
+    extra_args: list[str] = field(default_factory=list)  # given after `--`
+    timeout: float | None = None  # seconds before the script is killed
+    echo: bool = False  # stream the script's progress to stderr
+    matrix: str = "fast"  # round-trip harness matrix
 
 
 @dataclass
@@ -36,9 +48,7 @@ class CheckContext:
     status: Status
     patch_set: PatchSetDir | None
     verify_root: Path  # the shipped verify/ scripts (patchtool.resources)
-    # For the restore checks: "env" (runner.RunEnv), "presets", "extra_args"
-    # (after `--`), "timeout" (seconds), "echo" (stream progress to stderr).
-    options: dict = field(default_factory=dict)
+    options: CheckOptions = field(default_factory=CheckOptions)
 
 
 @dataclass
@@ -115,16 +125,9 @@ def run_verify(ctx: CheckContext, extra: list[str]) -> VerifyResult:
     other states map to their own exit codes (README, "Exit codes")."""
     from .exitcodes import ExitCode
 
-    by_state = {
-        "not-installed": ExitCode.NOT_INSTALLED, "pristine": ExitCode.PRISTINE,
-        "drifted": ExitCode.DRIFTED, "unsupported-version": ExitCode.UNSUPPORTED_VERSION,
-        "fixed-upstream": ExitCode.FIXED_UPSTREAM,
-        "patched-older-revision": ExitCode.PATCHED_OLDER_REVISION,
-        "partially-patched": ExitCode.PARTIALLY_PATCHED,
-    }
     st = ctx.status
     if st.state != PATCHED:
-        return VerifyResult(False, st.state, by_state[st.state], st)
+        return VerifyResult(False, st.state, st.state.exit_code, st)
     checks = [REGISTRY[name](ctx) for name in DEFAULT_CHECKS]
     failed = [c.name for c in checks if not c.ok]
     if failed:
@@ -171,12 +174,12 @@ def _restore_cpu(ctx: CheckContext) -> CheckResult:
     from . import runner
 
     o = ctx.options
-    args = [a for p in o.get("presets") or [] for a in ("--preset", p)]
-    if not o.get("echo"):
+    args = [a for p in o.presets for a in ("--preset", p)]
+    if not o.echo:
         args.append("--quiet")
-    run = runner.run_script(o["env"], ctx.verify_root / "restore_gate.py",
-                            [*args, *o.get("extra_args", [])], "--json-out",
-                            timeout=o.get("timeout"), echo=bool(o.get("echo")))
+    run = runner.run_script(o.env, ctx.verify_root / "restore_gate.py",
+                            [*args, *o.extra_args], "--json-out",
+                            timeout=o.timeout, echo=o.echo)
     data = _script_data(run)
     bad = _no_verdict("restore-cpu", run, data)
     if bad is not None:
@@ -199,9 +202,8 @@ def _roundtrip(ctx: CheckContext) -> CheckResult:
 
     o = ctx.options
     # The harness logs LMCache's output on stderr: kept in the tail, not echoed.
-    run = runner.run_script(o["env"], ctx.verify_root / "roundtrip.py",
-                            ["--matrix", o.get("matrix", "fast")], "--out",
-                            timeout=o.get("timeout"))
+    run = runner.run_script(o.env, ctx.verify_root / "roundtrip.py",
+                            ["--matrix", o.matrix], "--out", timeout=o.timeout)
     data = _script_data(run)
     bad = _no_verdict(ROUNDTRIP_CHECK, run, data)
     if bad is not None:
@@ -229,8 +231,8 @@ def _restore_gpu(ctx: CheckContext) -> CheckResult:
     from . import runner
 
     o = ctx.options
-    run = runner.run_script(o["env"], ctx.verify_root / GPU_GATE, list(o.get("extra_args", [])),
-                            "--out", timeout=o.get("timeout"), echo=bool(o.get("echo")))
+    run = runner.run_script(o.env, ctx.verify_root / GPU_GATE, list(o.extra_args),
+                            "--out", timeout=o.timeout, echo=o.echo)
     data = _script_data(run)
     bad = _no_verdict("restore-gpu", run, data)
     if bad is not None:

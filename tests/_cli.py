@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-CRASH_VAR = "LMCACHE_PATCHTOOL_CRASH_AFTER_REPLACE"
+CRASH_VAR = "LMCACHE_PATCHTOOL_FAULT"
 
 
 @dataclass

@@ -1,0 +1,402 @@
+"""Decide what apply and revert would write: pure functions over a reader.
+
+:func:`plan_apply` and :func:`plan_revert` read the install only through a
+:class:`~patchtool.fsio.Reader` and return a :class:`Plan`: every change the
+command would commit (target files, RECORD, the saved originals, state.json,
+stale bytecode) and every refusal.  ``--dry-run`` shows the plan; the real
+command commits that same plan (:mod:`patchtool.actions`), so the two cannot
+disagree.  Nothing here writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from . import classify as C
+from .applier import ALREADY, APPLIES, FileResult, Patch, apply_series, unapply_series
+from .errors import Refusal, TargetStateRefusal
+from .exitcodes import ExitCode
+from .fsio import Reader
+from .manifest import FileHash, PatchSetDir
+from .record import Record, RecordRow
+from .state import ORIGINALS, STATE_FILE, InstallState, SavedFile
+from .target import Target
+from .transaction import Change
+
+
+@dataclass
+class ApplyResult:
+    action: str  # applied | no-op | dry-run
+    patch_set: str
+    lmcache_version: str
+    revision: int
+    through: str  # id of the last patch of the applied series prefix
+    state_before: str
+    changed_files: list[str] = field(default_factory=list)
+    hunks: list[FileResult] = field(default_factory=list)
+    removed_pyc: list[str] = field(default_factory=list)
+    state_after: str | None = None
+
+
+@dataclass
+class RevertResult:
+    action: str  # reverted | no-op | dry-run
+    lmcache_version: str
+    source: str  # saved originals | reverse patch | none
+    state_before: str
+    restored_files: list[str] = field(default_factory=list)
+    removed_pyc: list[str] = field(default_factory=list)
+    state_after: str | None = None
+
+
+@dataclass
+class Plan:
+    """What a command would do.  ``changes`` is empty when there is nothing to
+    do or when ``refusals`` is not empty; the first refusal is the one the
+    command reports."""
+
+    result: ApplyResult | RevertResult
+    changes: list[Change] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+
+    def refuse(self, r: Refusal) -> "Plan":
+        self.refusals.append(r)
+        self.changes = []
+        return self
+
+    def raise_first(self) -> None:
+        if self.refusals:
+            raise self.refusals[0]
+
+
+def load_state(target: Target, reader: Reader) -> InstallState | None:
+    path = target.state_dir / STATE_FILE
+    data = reader.read(path)
+    return None if data is None else InstallState.parse(data, path)
+
+
+def refuse_state(status: C.Status, target: Target) -> None:
+    """Raise the refusal for a state apply cannot act on."""
+    if status.state == C.UNSUPPORTED:
+        raise TargetStateRefusal(target.dist_info, status.detail + " (see `patchtool list`)",
+                                 ExitCode.UNSUPPORTED_VERSION)
+    if status.state == C.FIXED_UPSTREAM:
+        raise TargetStateRefusal(target.dist_info, f"lmcache {target.version} needs no patch: "
+                                 f"{status.detail}", ExitCode.FIXED_UPSTREAM)
+    if status.state == C.DRIFTED:
+        bad = next((f for f in status.files if f.state in (C.F_DRIFTED, C.F_MISSING)), None)
+        if bad is None:
+            raise TargetStateRefusal(target.dist_info, status.detail + "; revert first",
+                                     ExitCode.DRIFTED)
+        what = ("is missing" if bad.state == C.F_MISSING else
+                f"has sha256 {bad.hash} (size {bad.size}), which is neither the wheel's "
+                f"pristine file ({bad.pristine_hash}) nor a patched state")
+        raise TargetStateRefusal(target.site / bad.path, f"{what}; refusing to patch a drifted "
+                                 f"file (reinstall lmcache=={target.version} or undo local edits)",
+                                 ExitCode.DRIFTED)
+
+
+def _select(pset: PatchSetDir, patch_id: str | None) -> int:
+    ids = pset.manifest.step_ids()
+    if patch_id is None:
+        return len(ids)
+    for i, pid in enumerate(ids, start=1):
+        fname = pset.manifest.patches[i - 1]["file"]
+        if patch_id in (pid, fname) or pid.split("-", 1)[0] == patch_id:
+            return i
+    raise Refusal(patch_id, f"no such patch in {pset.name}/{pset.version} (have: {', '.join(ids)})")
+
+
+def _original(target: Target, pset: PatchSetDir, state: InstallState | None, path: str,
+              current: bytes, patches: list[Patch], reader: Reader) -> bytes | None:
+    """Pristine bytes of ``path``: the saved copy, the file itself, or (state
+    lost) the file with the series reversed; each checked against the manifest."""
+    pre = pset.manifest.hash_after(path, 0)
+    candidates = []
+    if state and path in state.files:
+        candidates.append(reader.read(target.state_dir / state.files[path].original))
+    candidates.append(current)
+    for data in candidates:
+        if data is not None and FileHash.of(data) == pre:
+            return data
+    for k in range(len(patches), 0, -1):  # the file may be at any step
+        rev = unapply_series(patches[:k], lambda p: current if p == path else None)
+        data = rev.files.get(path)
+        if rev.ok and data is not None and FileHash.of(data) == pre:
+            return data
+    return None
+
+
+def _stale_pyc(target: Target, paths: list[str], reader: Reader) -> list[Change]:
+    """Deletions of ``__pycache__/<module>.*.pyc`` of each touched module:
+    hash-based pycs (PEP 552) and same-second, same-size edits would otherwise
+    run the old code.  They go into the same transaction as the files."""
+    out = []
+    for rel in paths:
+        src = target.site / rel
+        if src.suffix == ".py":
+            out += [Change(p, None) for p in reader.pycs(src)]
+    return out
+
+
+def _record(target: Target, reader: Reader) -> Record:
+    data = reader.read(target.record_path)
+    if data is None:
+        raise Refusal(target.record_path, "missing: without RECORD the install cannot be "
+                      "checked or kept consistent")
+    return Record.parse(data, target.record_path)
+
+
+def _links(target: Target, paths: list[str], reader: Reader) -> list[Refusal]:
+    """A target reached through a symbolic link would be replaced by a regular
+    file (the link's other side left as it was): refuse, naming the link."""
+    out = []
+    for rel in paths:
+        link = reader.link_on(target.site, rel)
+        if link is not None:
+            out.append(Refusal(link, f"is a symbolic link (on the path of {rel}); patchtool "
+                               "edits only regular files inside site-packages: install lmcache "
+                               "without links, or patch the link's target install"))
+    return out
+
+
+def _series_table(target: Target, pset: PatchSetDir, state: InstallState | None,
+                  patches: list[Patch], current: dict[str, bytes | None], reader: Reader):
+    """The per-hunk table, and the bytes after the series.  A file already at
+    step ``s`` is shown from its pristine bytes, with patches up to ``s``
+    marked already-applied: checked against the final file, an earlier
+    patch's hunks sit where a later patch moved them and would read as
+    conflicts."""
+    m = pset.manifest
+    at_step: dict[str, int] = {}
+    inputs: dict[str, bytes | None] = dict(current)
+    for path, data in current.items():
+        if data is None:
+            continue
+        have = FileHash.of(data)
+        steps = [j for j in range(1, len(patches) + 1) if m.hash_after(path, j) == have]
+        if steps and m.hash_after(path, 0) != have:
+            pristine = _original(target, pset, state, path, data, pset.load_patches(), reader)
+            if pristine is not None:
+                at_step[path], inputs[path] = max(steps), pristine
+    table = apply_series(patches, lambda p: inputs.get(p))
+    ids = [p.id for p in patches]
+    for fr in table.results:
+        if fr.path in at_step and ids.index(fr.patch) < at_step[fr.path] \
+                and fr.status == APPLIES:
+            fr.status = ALREADY
+            for h in fr.hunks:
+                h.status = ALREADY
+    return table
+
+
+def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Reader, *,
+               patch_id: str | None = None, accept_record_mismatch: bool = False) -> Plan:
+    m = pset.manifest
+    plan = Plan(ApplyResult("no-op", pset.name, target.version, m.revision,
+                            m.step_ids()[-1] if m.patches else "", str(status.state)))
+    try:
+        refuse_state(status, target)
+        k = _select(pset, patch_id)
+    except Refusal as r:
+        return plan.refuse(r)
+    res = plan.result
+    assert isinstance(res, ApplyResult)
+    res.through = m.step_ids()[k - 1]
+    if status.state == C.PARTIAL and status.applied_through is not None:
+        done = m.step_ids().index(status.applied_through) + 1
+        if done > k:
+            return plan.refuse(Refusal(target.dist_info, f"already patched up to "
+                                       f"{status.applied_through}, beyond {patch_id}; revert first"))
+    if status.state == C.PATCHED and k < len(m.patches):
+        return plan.refuse(Refusal(target.dist_info, f"already patched with the whole series, "
+                                   f"beyond {patch_id}; revert first"))
+    for r in _links(target, list(m.files) + [str(target.record_path.relative_to(target.site))],
+                    reader):
+        plan.refuse(r)
+    if plan.refusals:
+        return plan
+    patches = pset.load_patches(k)
+    current = {p: reader.read(target.site / p) for p in m.files}
+    try:
+        state = load_state(target, reader)
+    except Refusal as r:
+        return plan.refuse(r)
+    if state is not None and state.lmcache_version != target.version:
+        state = None  # left by another lmcache version; its originals are not ours
+    table = _series_table(target, pset, state, patches, current, reader)
+    res.hunks = table.results
+
+    new_bytes: dict[str, bytes] = {}
+    for path in m.files:
+        want = m.hash_after(path, k)
+        data = current[path]
+        assert data is not None  # missing files were refused as drifted
+        if FileHash.of(data) == want:
+            continue
+        if status.state == C.PATCHED_OLDER:
+            base = _original(target, pset, state, path, data, [], reader)
+            if base is None:
+                plan.refuse(Refusal(target.site / path, "patched with an older revision and "
+                                    "its original is not saved; revert it by reinstalling "
+                                    f"lmcache=={target.version}, then apply"))
+                continue
+            out = apply_series(patches, lambda p: base if p == path else None).files[path]
+        else:
+            out = table.files[path]
+        if out is None or FileHash.of(out) != want:
+            got = "nothing" if out is None else FileHash.of(out).hash
+            plan.refuse(Refusal(target.site / path, f"applying the series gives {got}, but the "
+                                f"manifest expects {want.hash}; refusing"))
+            continue
+        new_bytes[path] = out
+    res.changed_files = sorted(new_bytes)
+    if plan.refusals or not new_bytes:
+        res.state_after = None if plan.refusals else status.state
+        return plan
+
+    # RECORD rows of the touched files, and the state that revert relies on.
+    try:
+        record = _record(target, reader)
+    except Refusal as r:
+        return plan.refuse(r)
+    for path in new_bytes:
+        row = record.row(path)
+        if row is None:
+            plan.refuse(Refusal(target.record_path, f"has no row for {path}; the install is "
+                                "not the wheel's"))
+            continue
+        have = FileHash.of(current[path] or b"")
+        if (row.hash, row.size) != (have.hash, str(have.size)) and not accept_record_mismatch:
+            plan.refuse(TargetStateRefusal(
+                target.record_path, f"its row for {path} says {row.hash} size {row.size}, but "
+                f"the file is {have.hash} size {have.size}: the install is inconsistent; "
+                f"reinstall lmcache=={target.version}, or pass --accept-record-mismatch to "
+                "patch it anyway (revert then restores this row as it is now)",
+                ExitCode.DRIFTED))
+    if plan.refusals:
+        return plan
+    new_record = record.with_rows({p: RecordRow(p, FileHash.of(b).hash, str(len(b)))
+                                   for p, b in new_bytes.items()})
+    saved = dict(state.files) if state else {}
+    changes: list[Change] = []
+    all_patches = pset.load_patches()
+    for path, data in sorted(new_bytes.items()):
+        if path not in saved:
+            original = _original(target, pset, None, path, current[path] or b"", all_patches,
+                                 reader)
+            if original is None:
+                return plan.refuse(Refusal(target.site / path, "cannot establish its pristine "
+                                           "bytes"))
+            rel = f"{ORIGINALS}/{path}"
+            changes.append(Change(target.state_dir / rel, original))
+            saved[path] = SavedFile(rel, m.hash_after(path, 0), record.row(path))
+        changes.append(Change(target.site / path, data))
+        saved[path] = SavedFile(saved[path].original, saved[path].pre, saved[path].record_row,
+                                FileHash.of(data))
+    changes.append(Change(target.record_path, new_record.render()))
+    new_state = InstallState(__version__, target.version, target.dist_info.name, pset.name,
+                             m.revision, m.step_ids()[k - 1], saved)
+    changes.append(Change(target.state_dir / STATE_FILE, new_state.render()))
+    pyc = _stale_pyc(target, res.changed_files, reader)
+    res.removed_pyc = [str(c.path.relative_to(target.site)) for c in pyc]
+    plan.changes = changes + pyc
+    return plan
+
+
+def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
+                reader: Reader) -> Plan:
+    plan = Plan(RevertResult("no-op", target.version, "none", str(status.state)))
+    res = plan.result
+    assert isinstance(res, RevertResult)
+    try:
+        state = load_state(target, reader)
+        record = _record(target, reader)
+    except Refusal as r:
+        return plan.refuse(r)
+    restore: dict[str, bytes] = {}
+    new_rows: dict[str, RecordRow] = {}
+    housekeeping: list[Change] = []
+
+    if state is not None and state.lmcache_version == target.version:
+        res.source = "saved originals"
+        for r in _links(target, list(state.files), reader):
+            plan.refuse(r)
+        if plan.refusals:
+            return plan
+        for path, info in sorted(state.files.items()):
+            data = reader.read(target.site / path)
+            if data is not None and FileHash.of(data) == info.pre:
+                continue  # already pristine
+            known = {info.patched} if info.patched is not None else set()
+            if pset is not None and path in pset.manifest.files:
+                known |= {pset.manifest.hash_after(path, k)
+                          for k in range(len(pset.manifest.patches) + 1)}
+            if data is None or FileHash.of(data) not in known:
+                plan.refuse(TargetStateRefusal(
+                    target.site / path, "was changed after patchtool patched it; refusing to "
+                    f"overwrite it (reinstall lmcache=={target.version} instead)",
+                    ExitCode.DRIFTED))
+                continue
+            original = reader.read(target.state_dir / info.original)
+            if original is None or FileHash.of(original) != info.pre:
+                plan.refuse(Refusal(target.state_dir / info.original, "saved original is "
+                                    "missing or does not match its recorded hash"))
+                continue
+            restore[path] = original
+            new_rows[path] = info.record_row
+        housekeeping = [Change(target.state_dir / i.original, None) for i in state.files.values()]
+        housekeeping.append(Change(target.state_dir / STATE_FILE, None))
+    elif status.state in (C.PATCHED, C.PARTIAL) and pset is not None:
+        # No saved state (deleted by hand): reverse the series in memory and
+        # accept the result only where it reproduces the wheel's hashes.
+        res.source = "reverse patch"
+        m = pset.manifest
+        for r in _links(target, list(m.files), reader):
+            plan.refuse(r)
+        if plan.refusals:
+            return plan
+        k = len(m.patches) if status.state == C.PATCHED else \
+            m.step_ids().index(status.applied_through) + 1
+        current = {p: reader.read(target.site / p) for p in m.files}
+        rev = unapply_series(pset.load_patches(k), lambda p: current.get(p))
+        for path in m.files:
+            pre = m.hash_after(path, 0)
+            data = current[path]
+            if data is not None and FileHash.of(data) == pre:
+                continue
+            out = rev.files.get(path)
+            if out is None or FileHash.of(out) != pre:
+                plan.refuse(Refusal(target.site / path, "reversing the series does not give "
+                                    "the wheel's file; reinstall lmcache instead"))
+                continue
+            restore[path] = out
+            new_rows[path] = RecordRow(path, pre.hash, str(pre.size))
+    elif status.state in (C.PRISTINE, C.UNSUPPORTED, C.FIXED_UPSTREAM, C.NOT_INSTALLED):
+        if state is not None:  # stale state of another lmcache version
+            housekeeping = [Change(target.state_dir / STATE_FILE, None)]
+            housekeeping += [Change(target.state_dir / i.original, None)
+                             for i in state.files.values()]
+    else:
+        try:
+            refuse_state(status, target)
+        except Refusal as r:
+            return plan.refuse(r)
+        return plan.refuse(Refusal(target.dist_info, f"{status.state}: no saved originals to "
+                                   f"restore; reinstall lmcache=={target.version}"))
+
+    res.restored_files = sorted(restore)
+    for path in restore:
+        if record.row(path) is None:
+            plan.refuse(Refusal(target.record_path, f"has no row for {path}"))
+    if plan.refusals:
+        return plan
+    changes = [Change(target.site / p, b) for p, b in sorted(restore.items())]
+    if new_rows:
+        changes.append(Change(target.record_path, record.with_rows(new_rows).render()))
+    pyc = _stale_pyc(target, res.restored_files, reader)
+    res.removed_pyc = [str(c.path.relative_to(target.site)) for c in pyc]
+    plan.changes = changes + housekeeping + pyc
+    return plan
