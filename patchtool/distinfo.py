@@ -98,6 +98,17 @@ def read_record(dist_info: Path) -> Record:
     return Record.read(Path(dist_info) / RECORD)
 
 
+def read_installer(dist_info: Path) -> str:
+    """The INSTALLER file's first line ("pip", "uv"), or "" when absent."""
+    path = Path(dist_info) / "INSTALLER"
+    try:
+        return path.read_bytes().decode("utf-8", "replace").strip().split("\n", 1)[0].strip()
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        raise Refusal(path, f"cannot read: {exc.strerror or exc}") from None
+
+
 def read_json(path: Path) -> dict | None:
     """A JSON file of a dist-info directory (``direct_url.json``, the patched
     wheel's provenance): None when absent, a refusal when unreadable or not

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from patchtool.distinfo import (Wheel, canonical_name, parse_metadata, project_of, read_json,
-                                read_metadata)
+from patchtool.distinfo import (Wheel, canonical_name, parse_metadata, project_of,
+                                read_installer, read_json, read_metadata)
 from patchtool.errors import Refusal
 from patchtool.exitcodes import ExitCode
 from patchtool.record import Record, RecordRow, record_hash
@@ -86,6 +86,9 @@ def test_installed_metadata_refusals(tmp_path):
     (di / "METADATA").rmdir()
     (di / "METADATA").write_bytes(META)
     assert read_metadata(di).version == "0.5.3"
+    assert read_installer(di) == ""
+    (di / "INSTALLER").write_bytes(b"uv\n")
+    assert read_installer(di) == "uv"
 
 
 def test_json_files_of_a_dist_info(tmp_path):

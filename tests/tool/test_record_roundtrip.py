@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import importlib.util
 import io
 import os
 import subprocess
@@ -39,9 +40,7 @@ def _record(site: Path) -> Path:
 def uv_env(tmp_path_factory, wheel053) -> Path:
     """A venv (no pip) into which uv installed the real 0.5.3 wheel, offline
     from the local file.  uv comes from the ``test`` extra."""
-    try:
-        import uv  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("uv") is None:
         pytest.fail("uv is in the test extra: pip install -e '.[test]'")
     base = tmp_path_factory.mktemp("uvenv")
     venv = base / "venv"
@@ -168,12 +167,19 @@ ROWS = [("pkg/__init__.py", "sha256=AAA", "10"),
         ("pkg-1.0.dist-info/RECORD", "", "")]
 
 
-@pytest.mark.parametrize("newline", ["\r\n", "\n"])
-@pytest.mark.parametrize("final", [True, False], ids=["final-newline", "no-final-newline"])
+ENDINGS = pytest.mark.parametrize("newline, final", [
+    ("\r\n", True), ("\n", True), ("\r\n", False), ("\n", False)],
+    ids=["crlf", "lf", "crlf-no-final-newline", "lf-no-final-newline"])
+
+
+def _sample(rows, newline: str, final: bool) -> bytes:
+    data = _csv_rows(rows, newline)
+    return data if final else data[: -len(newline)]
+
+
+@ENDINGS
 def test_record_parses_and_renders_byte_identically(newline, final):
-    data = _csv_rows(ROWS, newline)
-    if not final:
-        data = data[: -len(newline)]
+    data = _sample(ROWS, newline, final)
     rec = Record.parse(data, "x/RECORD")
     assert rec.render() == data
     assert rec.newline == newline and rec.final_newline is final
@@ -183,20 +189,16 @@ def test_record_parses_and_renders_byte_identically(newline, final):
     assert rec.row("nope") is None and "nope" not in rec and len(rec) == len(ROWS)
 
 
-@pytest.mark.parametrize("newline", ["\r\n", "\n"])
-@pytest.mark.parametrize("final", [True, False], ids=["final-newline", "no-final-newline"])
+@ENDINGS
 def test_record_replaces_rows_in_the_files_own_line_ending(newline, final):
-    data = _csv_rows(ROWS, newline)
-    if not final:
-        data = data[: -len(newline)]
+    data = _sample(ROWS, newline, final)
     rec = Record.parse(data)
     new = rec.with_rows({"pkg/with,comma.py": RecordRow("pkg/with,comma.py", "sha256=NEW", "21"),
                          "pkg-1.0.dist-info/RECORD": RecordRow("pkg-1.0.dist-info/RECORD", "",
                                                                "")})
     want = [r if r[0] != "pkg/with,comma.py" else ("pkg/with,comma.py", "sha256=NEW", "21")
             for r in ROWS]
-    expected = _csv_rows(want, newline)
-    assert new.render() == (expected if final else expected[: -len(newline)])
+    assert new.render() == _sample(want, newline, final)
     assert rec.render() == data  # the original is not changed
     # ... and putting the old row back gives the original bytes
     back = new.with_rows({"pkg/with,comma.py": rec.row("pkg/with,comma.py")})
