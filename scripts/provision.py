@@ -15,7 +15,27 @@ A finished environment carries a ``.provisioned`` stamp written last, so an
 interrupted build is detected and rebuilt instead of half-used.  The cache
 root is ``$LMCACHE_PATCHTOOL_CACHE`` or ``~/.cache/lmcache-patchtool``.
 
-Command line: ``python scripts/provision.py runtime 0.5.3`` (or ``bare``/``wheel``).
+Environment:
+
+* ``LMCACHE_PATCHTOOL_TORCH_INDEX``  an index URL passed as ``--index-url`` to
+  the torch install only, e.g. ``https://download.pytorch.org/whl/cpu`` for
+  the CPU build.  Without it, ``pip install torch==X`` takes whatever the
+  configured index serves; on PyPI that is the CUDA build (about 2.5 GB more
+  per runtime venv, and the tests build four).
+* ``LMCACHE_PATCHTOOL_PIP_ARGS``  extra arguments for every pip call (split
+  like a shell would), e.g. ``--index-url https://mirror.example/simple`` or
+  ``--find-links /wheels``.
+* ``LMCACHE_PATCHTOOL_PY311``  the Python 3.11 interpreter venvs are made from.
+
+While it builds, each step prints one progress line to stderr and appends it
+to ``<cache root>/provision.log``, e.g.
+``provision: runtime 0.5.3: installing torch 2.13.0 (step 2/3, 35 s)``, and a
+long step repeats it every 30 s.  pytest captures a fixture's stderr, so
+tests/conftest.py routes these lines to the terminal (``set_progress_sink``);
+``tail -f ~/.cache/lmcache-patchtool/provision.log`` works from anywhere.
+
+Command line: ``python scripts/provision.py runtime 0.5.3`` (or ``bare``/``wheel``),
+``python scripts/provision.py status`` (what is cached).
 """
 
 from __future__ import annotations
@@ -24,17 +44,25 @@ import argparse
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 # vLLM 0.27.1 pins torch 2.13.0; a CPU build of it is what these machines carry.
 TORCH_VERSION = "2.13.0"
 STAMP = ".provisioned"
+TORCH_INDEX_ENV = "LMCACHE_PATCHTOOL_TORCH_INDEX"
+PIP_ARGS_ENV = "LMCACHE_PATCHTOOL_PIP_ARGS"
+HEARTBEAT_S = 30.0
+LOG_NAME = "provision.log"
+# The versions the tests provision: one per shipped hybrid-FA patch set.
+_PATCHES = Path(__file__).resolve().parents[1] / "patches" / "hybrid-fa"
+VERSIONS = tuple(sorted(p.name for p in _PATCHES.iterdir() if p.is_dir())) if _PATCHES.is_dir() else ()
 
 
 def cache_root() -> Path:
@@ -57,9 +85,80 @@ def _locked(name: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _run(cmd: list[str], **kw) -> None:
-    print("+", " ".join(cmd), file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True, **kw)
+# ---------------------------------------------------------------- progress
+
+_sink: Callable[[str], None] | None = None
+
+
+def set_progress_sink(fn: Callable[[str], None] | None) -> None:
+    """Send progress lines to ``fn`` instead of stderr (tests/conftest.py
+    writes them past pytest's capture); None restores stderr."""
+    global _sink
+    _sink = fn
+
+
+def progress(line: str) -> None:
+    line = f"provision: {line}"
+    (_sink or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
+    try:
+        with open(cache_root() / LOG_NAME, "a") as fh:
+            fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+    except OSError:
+        pass
+
+
+class Steps:
+    """Numbered progress of one build: ``what: doing (step n/total, E s)``."""
+
+    def __init__(self, what: str, total: int) -> None:
+        self.what, self.total, self.n, self.doing = what, total, 0, ""
+        self.started = time.monotonic()
+
+    def elapsed(self) -> int:
+        return round(time.monotonic() - self.started)
+
+    def step(self, doing: str) -> None:
+        self.n += 1
+        self.doing = doing
+        progress(f"{self.what}: {doing} (step {self.n}/{self.total}, {self.elapsed()} s)")
+
+    def still(self) -> None:
+        progress(f"{self.what}: still {self.doing} (step {self.n}/{self.total}, {self.elapsed()} s)")
+
+    def done(self, where: Path) -> None:
+        progress(f"{self.what}: ready in {self.elapsed()} s ({where})")
+
+
+def _run(cmd: list[str], steps: Steps | None = None, **kw) -> None:
+    """Run ``cmd`` (check=True); while it runs, repeat the current step's
+    progress line every HEARTBEAT_S seconds."""
+    print("+", shlex.join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, **kw)
+    while True:
+        try:
+            rc = proc.wait(timeout=HEARTBEAT_S)
+            break
+        except subprocess.TimeoutExpired:
+            if steps is not None:
+                steps.still()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    if rc:
+        raise subprocess.CalledProcessError(rc, cmd)
+
+
+def pip_args() -> list[str]:
+    """``$LMCACHE_PATCHTOOL_PIP_ARGS``, appended to every pip call."""
+    return shlex.split(os.environ.get(PIP_ARGS_ENV, ""))
+
+
+def torch_index_args() -> list[str]:
+    """``--index-url $LMCACHE_PATCHTOOL_TORCH_INDEX`` for the torch install (after
+    the common pip args, so it wins over an ``--index-url`` there)."""
+    url = os.environ.get(TORCH_INDEX_ENV, "").strip()
+    return ["--index-url", url] if url else []
 
 
 def _python() -> str:
@@ -88,11 +187,15 @@ def wheel(version: str) -> Path:
         tmp = dest.with_name(dest.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        steps = Steps(f"wheel {version}", 1)
+        steps.step(f"downloading lmcache=={version}")
         _run([_python(), "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-              "-d", str(tmp), f"lmcache=={version}"])
+              "-d", str(tmp), f"lmcache=={version}", *pip_args()], steps)
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
-        return sorted(dest.glob(f"lmcache-{version}-*.whl"))[0]
+        found = sorted(dest.glob(f"lmcache-{version}-*.whl"))[0]
+        steps.done(found)
+        return found
 
 
 def _venv_python(venv: Path) -> Path:
@@ -116,9 +219,14 @@ def bare_env(version: str) -> Path:
         if (venv / STAMP).exists():
             return venv
         whl = wheel(version)
+        steps = Steps(f"bare {version}", 2)
+        steps.step("creating the venv")
         _fresh_venv(venv)
-        _run([str(_venv_python(venv)), "-m", "pip", "install", "-q", "--no-deps", str(whl)])
+        steps.step(f"installing lmcache {version} --no-deps")
+        _run([str(_venv_python(venv)), "-m", "pip", "install", "-q", "--no-deps", str(whl),
+              *pip_args()], steps)
         _stamp(venv, {"lmcache": version, "kind": "bare"})
+        steps.done(venv)
         return venv
 
 
@@ -130,15 +238,53 @@ def runtime_env(version: str) -> Path:
             return venv
         started = time.monotonic()
         whl = wheel(version)
+        steps = Steps(f"runtime {version}", 3)
+        steps.step("creating the venv")
         _fresh_venv(venv)
         py = str(_venv_python(venv))
+        index = torch_index_args()
+        steps.step(f"installing torch {TORCH_VERSION}"
+                   + (f" from {index[1]}" if index else " (set $" + TORCH_INDEX_ENV
+                      + " for the CPU build)"))
         # torch first and pinned: otherwise lmcache's unpinned torch requirement
-        # pulls a multi-GB CUDA build.
-        _run([py, "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}"])
-        _run([py, "-m", "pip", "install", "-q", str(whl), "openai", f"torch=={TORCH_VERSION}"])
+        # pulls a multi-GB CUDA build.  The second call finds torch==X satisfied
+        # (a +cpu local version matches ==X) and keeps it.
+        _run([py, "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}", *pip_args(), *index],
+             steps)
+        steps.step(f"installing lmcache {version}, its dependencies and openai")
+        _run([py, "-m", "pip", "install", "-q", str(whl), "openai", f"torch=={TORCH_VERSION}",
+              *pip_args()], steps)
+        torch_build = _installed_torch(py)
+        if torch_build.get("cuda"):
+            progress(f"runtime {version}: torch {torch_build['version']} is a CUDA build "
+                     f"({torch_build['nvidia_dists']} nvidia-* packages, about 2.5 GB more than "
+                     f"the CPU build); set {TORCH_INDEX_ENV}=https://download.pytorch.org/whl/cpu "
+                     "and delete this venv to use the CPU build")
         _stamp(venv, {"lmcache": version, "torch": TORCH_VERSION, "kind": "runtime",
+                      "torch_build": torch_build, "torch_index": index[1] if index else None,
                       "build_seconds": round(time.monotonic() - started, 1)})
+        steps.done(venv)
         return venv
+
+
+_TORCH_PROBE = r"""
+import json, importlib.metadata as md
+names = [d.metadata["Name"] or "" for d in md.distributions()]
+nvidia = sum(1 for n in names if n.lower().startswith("nvidia-"))
+version = md.version("torch")
+print(json.dumps({"version": version, "nvidia_dists": nvidia,
+                  "cuda": "+cpu" not in version and nvidia > 0}))
+"""
+
+
+def _installed_torch(py: str) -> dict:
+    """Which torch build landed, read from its metadata (torch is not imported)."""
+    try:
+        out = subprocess.run([py, "-c", _TORCH_PROBE], capture_output=True, text=True,
+                             check=True).stdout
+        return json.loads(out)
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return {}
 
 
 def overlay(version: str, patches: list[Path] | None = None) -> Path:
@@ -162,6 +308,8 @@ def overlay(version: str, patches: list[Path] | None = None) -> Path:
             return dest
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
+        progress(f"overlay {dest.name}: extracting the wheel"
+                 + (f" and applying {len(patches)} patches" if patches else ""))
         with zipfile.ZipFile(wheel(version)) as zf:
             zf.extractall(dest)
         for patch in patches or []:
@@ -171,11 +319,42 @@ def overlay(version: str, patches: list[Path] | None = None) -> Path:
         return dest
 
 
+# ---------------------------------------------------------------- inventory
+
+
+def inventory(versions: tuple[str, ...] = VERSIONS) -> dict[str, dict[str, bool]]:
+    """kind -> {version: cached?} for the artefacts the tests use, from stamps
+    and file names only (cheap: a few stat calls, builds nothing)."""
+    root = cache_root()
+    envs = root / "envs"
+    from_stamp = {
+        "bare": lambda v: envs / f"bare-lmcache-{v}",
+        "runtime": lambda v: envs / f"runtime-lmcache-{v}-torch{TORCH_VERSION}",
+        # scripts/provision_vllm.py's layer (vLLM 0.27.1)
+        "vllm-layer": lambda v: envs / f"vllm-0.27.1-layer-lmcache-{v}",
+    }
+    out = {"wheel": {v: any((root / "wheels" / f"lmcache-{v}").glob(f"lmcache-{v}-*.whl"))
+                     for v in versions}}
+    for kind, where in from_stamp.items():
+        out[kind] = {v: (where(v) / STAMP).exists() for v in versions}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kind", choices=["wheel", "bare", "runtime"])
-    ap.add_argument("version")
+    ap.add_argument("kind", choices=["wheel", "bare", "runtime", "status"])
+    ap.add_argument("version", nargs="?")
     args = ap.parse_args(argv)
+    if args.kind == "status":
+        print(f"cache: {cache_root()}")
+        for kind, versions in inventory().items():
+            cached = [v for v, ok in versions.items() if ok]
+            missing = [v for v, ok in versions.items() if not ok]
+            print(f"{kind:11s} cached: {' '.join(cached) or '-':24s} "
+                  f"to build: {' '.join(missing) or '-'}")
+        return 0
+    if not args.version:
+        ap.error(f"{args.kind} needs a version")
     fn = {"wheel": wheel, "bare": bare_env, "runtime": runtime_env}[args.kind]
     print(fn(args.version))
     return 0

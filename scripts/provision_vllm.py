@@ -18,6 +18,9 @@ One layer per lmcache version ``V`` (default ``0.5.3``, whose path is
 unchanged): it is installed with, and probed against, that version's runtime
 env and pristine lmcache, so a layer never depends on another version's env.
 
+Its pip call takes ``$LMCACHE_PATCHTOOL_PIP_ARGS`` and it prints progress
+lines like scripts/provision.py (see there).
+
 Command line: ``python scripts/provision_vllm.py [V]``  (prints the layer path).
 """
 
@@ -69,16 +72,20 @@ def vllm_layer(lmcache_version: str = LMCACHE_VERSION) -> Path:
         if (dest / provision.STAMP).exists():
             return dest
         started = time.monotonic()
+        steps = provision.Steps(f"vllm layer {lmcache_version}", 3)
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
         pip = [py, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
                "--target", str(dest)]
-        provision._run(pip + [f"vllm=={VLLM_VERSION}"] + LIGHT_DEPS)
+        steps.step(f"installing vllm {VLLM_VERSION} --no-deps and {len(LIGHT_DEPS)} light packages")
+        provision._run(pip + [f"vllm=={VLLM_VERSION}"] + LIGHT_DEPS + provision.pip_args(), steps)
+        steps.step("deleting vLLM's CUDA kernels (*.so)")
         removed = 0
         for so in (dest / "vllm").rglob("*.so"):
             removed += so.stat().st_size
             so.unlink()
         # Fail loudly now rather than in every test.
+        steps.step("probing the imports the resync tests need")
         env = {"PYTHONPATH": f"{provision.overlay(lmcache_version)}:{dest}",
                "PATH": "/usr/bin:/bin"}
         subprocess.run([py, "-c", PROBE], check=True, env=env,
@@ -89,6 +96,7 @@ def vllm_layer(lmcache_version: str = LMCACHE_VERSION) -> Path:
             "removed_cuda_so_bytes": removed, "size_bytes": _du(dest),
             "build_seconds": round(time.monotonic() - started, 1),
         })
+        steps.done(dest)
         return dest
 
 
