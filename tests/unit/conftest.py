@@ -3,7 +3,8 @@
 (``--no-index --target``), copied per test, and a test patch set built with
 the tool's own ``manifest build``.  No network, no torch, no real lmcache.
 
-Every test in this directory is marked ``unit`` (``pytest -m unit``)."""
+Every test in this directory is marked ``unit`` (tests/conftest.py), so
+``pytest tests/unit`` and ``pytest -m unit`` select the same tests."""
 
 from __future__ import annotations
 
@@ -13,13 +14,6 @@ from pathlib import Path
 import pytest
 
 from . import synthwheel as sw
-
-
-def pytest_collection_modifyitems(config, items):
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture(scope="session")
