@@ -2,19 +2,22 @@
 
 * METADATA is parsed with the stdlib's ``email.parser`` (headers only; the
   body may say anything), as the core-metadata spec prescribes.
-* Project names are compared in ``packaging``'s canonical form
-  (``LMCache``, ``lmcache`` and ``LM_Cache`` are one project).
+* Project names are compared in their PEP 503 canonical form, the one
+  ``packaging.utils.canonicalize_name`` gives (``LMCache``, ``lmcache`` and
+  ``LM_Cache`` are one project).
 * A wheel's members are read checked against the wheel's own RECORD (hash
   and size), so a member edited after the wheel was built is refused.
 
 Every failure to read is a :class:`~patchtool.errors.Refusal` naming the file.
-Nothing here imports torch or lmcache.  ``zipfile`` and ``packaging`` are
-imported on use: ``status`` must start fast.
+Nothing here imports torch, lmcache or any non-stdlib module (``status``
+runs without this tool's dependencies); ``zipfile`` is imported on use, so
+``status`` starts fast.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from email.parser import BytesHeaderParser
 from pathlib import Path
@@ -32,11 +35,15 @@ UNHASHED = (RECORD, "RECORD.jws", "RECORD.p7s")
 _DIST_SUFFIXES = (".dist-info", ".egg-info")
 
 
-def canonical_name(name: str) -> str:
-    """A project name in canonical form (PEP 503)."""
-    from packaging.utils import canonicalize_name
+# PEP 503's normalization, which ``packaging.utils.canonicalize_name`` is (a test
+# pins the two equal).  Spelled out here because ``status --json`` runs in the
+# target interpreter without this tool's dependencies (tests/tool/test_lifecycle).
+_SEPARATORS = re.compile(r"[-_.]+")
 
-    return canonicalize_name(name)
+
+def canonical_name(name: str) -> str:
+    """A project name in canonical form (PEP 503): ``LM_Cache`` -> ``lm-cache``."""
+    return _SEPARATORS.sub("-", name).lower()
 
 
 def project_of(entry: str) -> str | None:

@@ -72,7 +72,14 @@ def test_metadata_is_parsed_as_email_headers():
 ])
 def test_project_of_site_entries(entry, project):
     assert project_of(entry) == project
-    assert canonical_name("LM__Cache") == "lm-cache"
+
+
+@pytest.mark.parametrize("name", ["lmcache", "LMCache", "LM__Cache", "lm.-_cache", "Foo-Bar",
+                                  "a..b", "vLLM", "zope.interface", "x_1-2"])
+def test_canonical_name_is_packagings(name):
+    from packaging.utils import canonicalize_name
+
+    assert canonical_name(name) == canonicalize_name(name)
 
 
 def test_installed_metadata_refusals(tmp_path):
