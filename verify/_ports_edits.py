@@ -82,7 +82,8 @@ def _spec(kind, geo):
     return SimpleNamespace(kind=kind_enum, block_size=geo.tokens_per_block, page_size_bytes=geo.fa_block_bytes)
 
 
-def build_raw(geo, nb: int, *, layout: str = "HND", fill: int | None = None, seed: int | None = None):
+def build_raw(geo, nb: int, *, layout: str = "HND", fill: int | None = None, seed: int | None = None,
+              device: str = "cpu"):
     """``geometry.build_kv_caches`` with the FA tensors in ``layout`` memory order.
 
     Returns a ``geometry.KVCaches`` whose ``raw`` are the vLLM-registered tensors
@@ -91,7 +92,7 @@ def build_raw(geo, nb: int, *, layout: str = "HND", fill: int | None = None, see
     """
     import torch  # noqa: PLC0415
 
-    caches = _BUILD(geo, nb, fill=fill, seed=seed)
+    caches = _BUILD(geo, nb, fill=fill, seed=seed, device=device)
     if layout == "HND":
         return caches
     if layout != "NHD":

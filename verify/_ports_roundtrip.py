@@ -35,8 +35,8 @@ def _install_layout(layout: str, edits: bool) -> None:
 
     orig_build = geometry.build_kv_caches
 
-    def build(geo, nb, *, fill=None, seed=None):
-        caches = _ports_edits.build_raw(geo, nb, layout=layout, fill=fill, seed=seed)
+    def build(geo, nb, *, fill=None, seed=None, device="cpu"):
+        caches = _ports_edits.build_raw(geo, nb, layout=layout, fill=fill, seed=seed, device=device)
         if edits:
             EDIT_REPORTS.append(_ports_edits.apply_edits(caches, layout))
         return caches

@@ -137,7 +137,8 @@ class KVCaches:
         return [i for i, kind in enumerate(self.layer_kinds) if kind == "gdn"]
 
 
-def build_kv_caches(geo: Geometry, num_logical_blocks: int, *, fill: int | None = None, seed: int | None = None) -> KVCaches:
+def build_kv_caches(geo: Geometry, num_logical_blocks: int, *, fill: int | None = None, seed: int | None = None,
+                    device: str = "cpu") -> KVCaches:
     """Allocate CPU tensors laid out as vLLM 0.27.1 registers them (HND on CPU).
 
     Caveat for callers that register through LMCache's worker adapter: its
@@ -150,6 +151,8 @@ def build_kv_caches(geo: Geometry, num_logical_blocks: int, *, fill: int | None 
 
     ``seed`` fills with deterministic random bytes; ``fill`` with one byte value
     (a poison pattern for retrieve destinations).  Exactly one must be given.
+    ``device`` places the tensors (``"cuda"`` for the CUDA round trip); the
+    random bytes are drawn on CPU either way, so a seed gives the same bytes.
     """
     import torch  # noqa: PLC0415 - only inside the target environment
 
@@ -164,7 +167,7 @@ def build_kv_caches(geo: Geometry, num_logical_blocks: int, *, fill: int | None 
             nbytes = num_logical_blocks * geo.fa_block_bytes
         else:
             nbytes = num_logical_blocks * geo.gdn_block_bytes
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if gen is not None:
             buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
         else:

@@ -25,6 +25,15 @@ Only what cannot run on CPU is replaced: the CUDA native plan executor is
 emulated from the Python path's semantics (``--path native``, see
 ``_harness_native.py``); events/streams are LMCache's own CPU stubs.
 
+``--device cuda`` runs the same cells on CUDA tensors through LMCache's REAL
+transfer path instead (``_harness_cuda.py``): ``--path native`` is the
+compiled plan executor (``execute_object_group_transfer``), ``--path direct``
+0.5.6's copy-engine path (``execute_direct_copy_transfer``), ``--path python``
+the per-batch Python loop over the compiled kernels.  Host objects live in
+pinned memory; each store/retrieve is timed to ``torch.cuda.synchronize()``;
+the analysis runs on CPU copies.  Without a usable GPU ``--device cuda`` is
+refused in one line (exit 3).
+
 Guards (on by default): frozen base-object metadata and a recorder of every
 host<->staging copy (``_harness_guards.py``).
 
@@ -75,7 +84,7 @@ class Cell:
     num_chunks: int = 3
     skip_blocks: int = 0  # logical blocks of already-cached prefix skipped on retrieve
     ids: str = "scattered"  # scattered | identity (store and retrieve ids 0..m-1)
-    path: str = "python"  # python | native (emulated execute_object_group_transfer)
+    path: str = "python"  # python | native (CPU: emulated execute_object_group_transfer) | direct (CUDA only)
     seed: int = 1234
 
     @property
@@ -140,6 +149,9 @@ class _Wrapper:
     def to_tensor(self):
         return self.t
 
+    def close(self) -> None:  # LMCache's CUDA context closes its wrappers on release
+        pass
+
 
 class _FakeEventBus:
     def __init__(self) -> None:
@@ -166,10 +178,13 @@ class FakeStorageManager:
     GAP = 4096
     CANARY = 0x5A
 
-    def __init__(self, capacity: int, guards: bool) -> None:
+    def __init__(self, capacity: int, guards: bool, pinned: bool = False) -> None:
         import torch  # noqa: PLC0415
 
-        self.pool = torch.full((capacity,), self.CANARY, dtype=torch.uint8)
+        if pinned:  # CUDA: page-locked, as LMCache's own allocators are
+            self.pool = torch.empty((capacity,), dtype=torch.uint8, pin_memory=True).fill_(self.CANARY)
+        else:
+            self.pool = torch.full((capacity,), self.CANARY, dtype=torch.uint8)
         self.guards = guards
         self.objs: dict = {}
         self.next = self.GAP
@@ -352,6 +367,7 @@ class Options:
     hashes: bool = True
     dump_dir: str | None = None
     inject: str | None = None  # guard self-test: meta-write | used-size | address-skew
+    device: str = "cpu"  # cpu | cuda (the real native path, _harness_cuda.py)
 
 
 def _inject_fault(kind: str | None):
@@ -431,6 +447,13 @@ def run_cell(cell: Cell, opts: Options) -> dict:
     import _harness_guards as guards  # noqa: PLC0415
     from _harness_native import native_emulation  # noqa: PLC0415
 
+    on_cuda = opts.device != "cpu"  # "cuda", or "cpu-standin": the same code path on CPU tensors
+    tensor_device = "cpu" if opts.device == "cpu-standin" else opts.device
+    if on_cuda:
+        import _harness_cuda as hc  # noqa: PLC0415
+    elif cell.path == "direct":
+        raise ValueError("path=direct is the CUDA copy-engine path: it needs --device cuda")
+    dev_kw = {"device": tensor_device} if on_cuda else {}
     geo = geometry.preset(cell.preset)
     N, k, P = geo.tokens_per_block, geo.k, geo.kernel_page
     C = cell.chunk_blocks * N
@@ -456,24 +479,30 @@ def run_cell(cell: Cell, opts: Options) -> dict:
     else:
         raise ValueError(f"unknown ids mode {cell.ids!r}")
 
-    src = geometry.build_kv_caches(geo, nb, seed=cell.seed)
-    dst = geometry.build_kv_caches(geo, nb, fill=POISON)
-    src_before = [t.clone() for t in src.raw]
+    src = geometry.build_kv_caches(geo, nb, seed=cell.seed, **dev_kw)
+    dst = geometry.build_kv_caches(geo, nb, fill=POISON, **dev_kw)
+    src_before = [t.cpu() for t in src.raw] if on_cuda else [t.clone() for t in src.raw]
 
     full_fa_seg = len(fa_layers) * C * geo.num_kv_heads * 2 * geo.head_size * geo.itemsize
     full_gdn_seg = len(gdn_layers) * C * (geo.gdn_block_bytes // N)
     full_obj = full_fa_seg + full_gdn_seg
     sm = FakeStorageManager(cell.num_chunks * (full_obj + 2 * FakeStorageManager.GAP + 256) + 2 * FakeStorageManager.GAP,
-                            opts.guards)
+                            opts.guards, pinned=tensor_device == "cuda")
     ctx = _fake_server_context(C, sm)
     guards.VIOLATIONS.clear()
     recorder = guards.CopyRecorder()
     result: dict[str, Any] = {"cell": asdict(cell), "name": cell.name, "geometry": geo.to_json(),
                               "C": C, "num_logical_blocks_requested": m, "num_logical_blocks_cache": nb,
                               "ids": {"store": src_ids, "retrieve": dst_ids}}
+    stack = contextlib.ExitStack()
+    if on_cuda:
+        result["device"] = opts.device
+        hc.synchronize(tensor_device)  # the caches are written before anything is registered
 
     mod = LMCacheDrivenTransferModule(ctx)
     try:
+        if on_cuda:
+            make_handle = stack.enter_context(hc.local_events())
         infos = [EngineGroupInfo(engine_group_id=i["engine_group_id"], layer_indices=tuple(i["layer_indices"]),
                                  tokens_per_block=i["tokens_per_block"]) for i in geometry.engine_group_infos(geo)]
         hints = {"kv_layout": "HND"}
@@ -508,8 +537,26 @@ def run_cell(cell: Cell, opts: Options) -> dict:
                                          start=0, end=T, request_id="rt-retrieve")
         skip_tokens = cell.skip_blocks * N
 
-        path_cm = native_emulation(recorder.record if opts.guards else None) if cell.path == "native" \
-            else contextlib.nullcontext()
+        if on_cuda:
+            if opts.device == "cpu-standin" and cell.path == "native":
+                stack.enter_context(hc.standin_native())
+            path_cm = hc.real_path(cell.path, recorder.record if opts.guards else None)
+            device = cc.device
+
+            def handle() -> bytes:
+                return make_handle(device)
+
+            def settle() -> None:
+                hc.synchronize(tensor_device)
+        else:
+            path_cm = native_emulation(recorder.record if opts.guards else None) if cell.path == "native" \
+                else contextlib.nullcontext()
+
+            def handle() -> bytes:
+                return b"stub_ipc_handle"
+
+            def settle() -> None:
+                pass
         rec_cm = recorder.wrap_python_path() if opts.guards else contextlib.nullcontext()
         store_s, retrieve_s = [], []
         native_stats = None
@@ -518,16 +565,27 @@ def run_cell(cell: Cell, opts: Options) -> dict:
                 if rep:
                     sm.reset()
                     recorder.records.clear()
+                h = handle()
                 t0 = time.perf_counter()
-                _, store_ok = mod.store(store_key, 1, [list(x) for x in store_lists], b"stub_ipc_handle")
+                _, store_ok = mod.store(store_key, 1, [list(x) for x in store_lists], h)
+                settle()
                 t1 = time.perf_counter()
-                _, retrieve_ok = mod.retrieve(retrieve_key, 2, [list(x) for x in retrieve_lists], b"stub_ipc_handle",
+                h = handle()
+                t1b = time.perf_counter()
+                _, retrieve_ok = mod.retrieve(retrieve_key, 2, [list(x) for x in retrieve_lists], h,
                                               skip_first_n_tokens=skip_tokens)
+                settle()
                 t2 = time.perf_counter()
                 store_s.append(t1 - t0)
-                retrieve_s.append(t2 - t1)
+                retrieve_s.append(t2 - t1b)
         result["store_ok"], result["retrieve_ok"] = bool(store_ok), bool(retrieve_ok)
-        if native_stats is not None:
+        if on_cuda:
+            result["transfer"] = native_stats.to_json()
+            result["native"] = {"calls": native_stats.calls, "steps": native_stats.steps,
+                                "launches": native_stats.launches, "staging_copies": native_stats.staging_copies} \
+                if cell.path == "native" else None
+            src, dst = hc.to_host(src), hc.to_host(dst)
+        elif native_stats is not None:
             result["native"] = {"calls": native_stats.calls, "steps": native_stats.steps,
                                 "launches": native_stats.launches, "staging_copies": native_stats.staging_copies}
         elif cell.path == "native":
@@ -685,6 +743,10 @@ def run_cell(cell: Cell, opts: Options) -> dict:
                 reasons.append(f"{kind}: host object segment is {gr.get('object_ratio')} of full size")
         if src_mutated:
             reasons.append(f"store mutated {src_mutated} source bytes")
+        if on_cuda:
+            taken = set(result["transfer"]["paths_taken"])
+            if taken != {cell.path}:
+                reasons.append(f"asked for the {cell.path} path, LMCache took {sorted(taken) or 'none'}")
         if result["host_canary_damage_bytes"]:
             reasons.append(f"{result['host_canary_damage_bytes']} host bytes written outside objects")
         if opts.guards and not g["ok"]:
@@ -694,6 +756,7 @@ def run_cell(cell: Cell, opts: Options) -> dict:
         result["verdict"] = {"pass": not reasons, "reasons": reasons}
     finally:
         mod.close()
+        stack.close()
     return result
 
 
@@ -720,6 +783,11 @@ def _dump(root: Path, cell: Cell, geo, src, sm, keys, result) -> None:
 
 def run(cells: list[Cell], opts: Options) -> dict:
     doc: dict[str, Any] = {"harness": "verify/roundtrip.py", "format": 1, "lmcache": _lmcache_info(), "cells": []}
+    if opts.device != "cpu":
+        import _harness_cuda as hc  # noqa: PLC0415
+
+        desc = hc.availability()[1] if opts.device == "cuda" else "CPU tensors through the --device cuda code path"
+        doc["device"] = {"type": opts.device, "description": desc, "transfer": hc.native_status()}
     for cell in cells:
         t0 = time.perf_counter()
         try:
@@ -765,7 +833,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=3, help="chunks per request")
     ap.add_argument("--skip-blocks", type=int, default=0, help="logical blocks skipped at retrieve")
     ap.add_argument("--ids", choices=["scattered", "identity"], default="scattered")
-    ap.add_argument("--path", choices=["python", "native"], default="python")
+    ap.add_argument("--path", choices=["python", "native", "direct"], default="python",
+                    help="python | native (CPU: emulated; CUDA: the compiled plan executor) | direct (CUDA, 0.5.6+)")
+    ap.add_argument("--device", choices=["cpu", "cuda", "cpu-standin"], default="cpu",
+                    help="cpu (default) | cuda: CUDA tensors through LMCache's real native path | "
+                         "cpu-standin: the cuda code path on CPU tensors (tests)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--reps", type=int, default=1, help="store+retrieve repetitions per cell (timings)")
     ap.add_argument("--no-guards", action="store_true", help="disable guards (for timing)")
@@ -782,8 +854,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset or not cells:
         cells.append(Cell(args.preset or "qwen35-0.8b", args.chunk_blocks, args.chunks, args.skip_blocks,
                           ids=args.ids, path=args.path, seed=args.seed))
+    if args.device != "cpu":
+        import _harness_cuda as hc  # noqa: PLC0415
+
+        ok, why = hc.availability() if args.device == "cuda" else (True, "")
+        if not ok:
+            print(f"roundtrip.py: --device cuda: {why}", file=sys.stderr)
+            return 3
+        if args.inject:
+            print(f"roundtrip.py: --inject: not with --device {args.device} (CPU Python path only)", file=sys.stderr)
+            return 3
+    elif args.path == "direct" or any(c.path == "direct" for c in cells):
+        print("roundtrip.py: --path direct: the copy-engine path needs --device cuda", file=sys.stderr)
+        return 3
     opts = Options(guards=not args.no_guards, reps=args.reps, hashes=not args.no_hashes, dump_dir=args.dump_dir,
-                   inject=args.inject)
+                   inject=args.inject, device=args.device)
 
     # Keep stdout clean for the JSON: everything LMCache prints goes to stderr.
     real_stdout = os.fdopen(os.dup(1), "w")
