@@ -129,6 +129,8 @@ def _session(args, *, writes: bool) -> Iterator[tuple]:
     from .classify import patch_set_key
     from .manifest import find_patch_set
     from .target import discover
+    from .errors import WriteRefusal
+    from .fsio import describe
     from .transaction import Lock, needs_recovery, recover
 
     # --site-packages wins when verify is given both (--python then only runs checks).
@@ -146,7 +148,11 @@ def _session(args, *, writes: bool) -> Iterator[tuple]:
         yield disc, find_patch_set(resources.patches_root(), version, set_name), 0
         return
     with Lock(t.site):
-        recovered = recover(t.state_dir) if t.state_dir.exists() else 0
+        try:
+            recovered = recover(t.state_dir) if t.state_dir.exists() else 0
+        except OSError as exc:
+            raise WriteRefusal(exc.filename or t.state_dir, "cannot roll back an interrupted "
+                               f"patchtool run: {describe(exc)}") from None
         yield disc, find_patch_set(resources.patches_root(), version, set_name), recovered
 
 

@@ -148,14 +148,13 @@ def chmod(path: Path, mode: int) -> None:
 
 
 def unlink(path: Path) -> None:
-    """Remove ``path`` if it exists."""
+    """Remove ``path`` if it exists (removing nothing is no write)."""
+    if not os.path.lexists(path):
+        return
     injected = _fault.failing()
     if injected is not None:
         raise _fail(injected, path)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return
+    os.unlink(path)
     _fault.done()
 
 
