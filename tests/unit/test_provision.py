@@ -29,7 +29,8 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_DISABLE_PIP_VERSION_CHECK", "1")
     monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
     monkeypatch.setenv("LMCACHE_PATCHTOOL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("LMCACHE_PATCHTOOL_PY311", sys.executable)
+    # venvs from this interpreter, whatever its version (the synthetic wheels are py3)
+    monkeypatch.setattr(provision, "_python", lambda: sys.executable)
     lines: list[str] = []
     provision.set_progress_sink(lines.append)
     yield tmp_path / "cache", lines
