@@ -185,7 +185,7 @@ def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = Fal
     ids = m.step_ids()
     by_path = {r.path: r for r in record_rows}
     common_steps: set[int] | None = None
-    older_ok = {p["revision"]: True for p in m.previous_revisions}
+    older_ok = {p.revision: True for p in m.previous_revisions}
     any_missing_or_drift = False
     for path in m.files:
         link = reader.link_on(t.site, path)
@@ -209,8 +209,8 @@ def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = Fal
         steps = {k for k in range(n + 1) if m.hash_after(path, k) == fh}
         common_steps = steps if common_steps is None else common_steps & steps
         for prev in m.previous_revisions:
-            if prev["files"].get(path, pre) != fh:
-                older_ok[prev["revision"]] = False
+            if prev.files.get(path, pre) != fh:
+                older_ok[prev.revision] = False
         if n in steps:
             fs.state, fs.revision = F_PATCHED, m.revision
         elif 0 in steps:
@@ -218,7 +218,7 @@ def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = Fal
         elif steps:
             fs.state, fs.step = F_PARTIAL, ids[max(steps) - 1]
         else:
-            older = [p["revision"] for p in m.previous_revisions if p["files"].get(path) == fh]
+            older = [p.revision for p in m.previous_revisions if p.files.get(path) == fh]
             if older:
                 fs.state, fs.revision = F_OLDER, older[0]
             else:

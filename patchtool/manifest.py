@@ -38,6 +38,50 @@ class FileHash:
         return {"hash": self.hash, "size": self.size}
 
 
+@dataclass(frozen=True)
+class PatchEntry:
+    """One patch of the series: its id (file name without ``.patch``), file
+    name, sha256 (hex) and the files it edits."""
+
+    id: str
+    file: str
+    sha256: str
+    files: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "file": self.file, "sha256": self.sha256,
+                "files": list(self.files)}
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A target file: the wheel's bytes (``pre``), the whole series' result
+    (``post``), and its hash after each patch that touches it (cumulative),
+    so a series applied only up to ``--patch ID`` is recognised."""
+
+    pre: FileHash
+    post: FileHash
+    steps: dict[str, FileHash]
+
+    def to_json(self) -> dict:
+        return {"pre": self.pre.to_json(), "post": self.post.to_json(),
+                "steps": {k: v.to_json() for k, v in self.steps.items()}}
+
+
+@dataclass(frozen=True)
+class PreviousRevision:
+    """A superseded revision: its patch files' sha256 and its post-images, so
+    an install patched with it is ``patched-older-revision``, not drifted."""
+
+    revision: int
+    patches: dict[str, str]  # patch file name -> sha256 (hex)
+    files: dict[str, FileHash]  # path -> post-image
+
+    def to_json(self) -> dict:
+        return {"revision": self.revision, "patches": self.patches,
+                "files": {k: v.to_json() for k, v in self.files.items()}}
+
+
 @dataclass
 class Manifest:
     patch_set: str
@@ -49,14 +93,9 @@ class Manifest:
     tool_version: str
     wheel: dict  # {"filename", "sha256" (hex)}
     reason: str = ""
-    # [{"id", "file", "sha256" (hex), "files": [paths]}], in series order
-    patches: list[dict] = field(default_factory=list)
-    # path -> {"pre": FileHash, "post": FileHash, "steps": {patch id: FileHash}}
-    # "steps" holds the file's bytes after each patch that touches it
-    # (cumulative), so a series applied only up to --patch ID is recognised.
-    files: dict[str, dict] = field(default_factory=dict)
-    # [{"revision", "patches": {file: sha256}, "files": {path: FileHash}}]
-    previous_revisions: list[dict] = field(default_factory=list)
+    patches: list[PatchEntry] = field(default_factory=list)  # in series order
+    files: dict[str, FileEntry] = field(default_factory=dict)
+    previous_revisions: list[PreviousRevision] = field(default_factory=list)
     # Operator-facing notes `patchtool status` prints for this version (what
     # upstream fixed and what it did not, known limits). Omitted when empty.
     notes: list[str] = field(default_factory=list)
@@ -80,20 +119,9 @@ class Manifest:
         out.update({
             "tool_version": self.tool_version,
             "wheel": self.wheel,
-            "patches": self.patches,
-            "files": {
-                path: {
-                    "pre": entry["pre"].to_json(),
-                    "post": entry["post"].to_json(),
-                    "steps": {k: v.to_json() for k, v in entry["steps"].items()},
-                }
-                for path, entry in self.files.items()
-            },
-            "previous_revisions": [
-                {"revision": p["revision"], "patches": p["patches"],
-                 "files": {k: v.to_json() for k, v in p["files"].items()}}
-                for p in self.previous_revisions
-            ],
+            "patches": [p.to_json() for p in self.patches],
+            "files": {path: entry.to_json() for path, entry in self.files.items()},
+            "previous_revisions": [p.to_json() for p in self.previous_revisions],
         })
         return out
 
@@ -101,14 +129,14 @@ class Manifest:
         return json.dumps(self.to_json(), indent=2) + "\n"
 
     def step_ids(self) -> list[str]:
-        return [p["id"] for p in self.patches]
+        return [p.id for p in self.patches]
 
     def hash_after(self, path: str, step: int) -> FileHash:
         """The file's expected hash after the first ``step`` patches (0 = pristine)."""
         entry = self.files[path]
-        found = entry["pre"]
+        found = entry.pre
         for pid in self.step_ids()[:step]:
-            found = entry["steps"].get(pid, found)
+            found = entry.steps.get(pid, found)
         return found
 
 
@@ -140,15 +168,17 @@ def load_manifest(path: Path) -> Manifest:
             notes=[str(n) for n in raw.get("notes", [])],
             tool_version=raw["tool_version"],
             wheel=dict(raw["wheel"]),
-            patches=list(raw["patches"]),
+            patches=[PatchEntry(str(p["id"]), str(p["file"]), str(p["sha256"]),
+                                tuple(str(f) for f in p["files"])) for p in raw["patches"]],
             files={
-                p: {"pre": _fh(e["pre"], path), "post": _fh(e["post"], path),
-                    "steps": {k: _fh(v, path) for k, v in e["steps"].items()}}
+                p: FileEntry(_fh(e["pre"], path), _fh(e["post"], path),
+                             {k: _fh(v, path) for k, v in e["steps"].items()})
                 for p, e in raw["files"].items()
             },
             previous_revisions=[
-                {"revision": int(p["revision"]), "patches": dict(p["patches"]),
-                 "files": {k: _fh(v, path) for k, v in p["files"].items()}}
+                PreviousRevision(int(p["revision"]), {str(k): str(v) for k, v in
+                                                      p["patches"].items()},
+                                 {k: _fh(v, path) for k, v in p["files"].items()})
                 for p in raw["previous_revisions"]
             ],
         )
@@ -174,7 +204,7 @@ class PatchSetDir:
     manifest: Manifest
 
     def patch_files(self) -> list[Path]:
-        return [self.path / p["file"] for p in self.manifest.patches]
+        return [self.path / p.file for p in self.manifest.patches]
 
     def load_patches(self, upto: int | None = None) -> list:
         """Parse the series (first ``upto`` patches).  Hashes were checked at load."""
@@ -187,19 +217,19 @@ class PatchSetDir:
 def verify_patch_files(directory: Path, manifest: Manifest) -> None:
     """Refuse unless the directory's *.patch files are exactly the manifest's,
     byte for byte (sha256).  This runs before any patch is parsed."""
-    listed = [p["file"] for p in manifest.patches]
+    listed = [p.file for p in manifest.patches]
     present = sorted(p.name for p in directory.glob("*.patch"))
     for name in present:
         if name not in listed:
             raise Refusal(directory / name, "not listed in manifest.json (rebuild the manifest)")
     for entry in manifest.patches:
-        path = directory / entry["file"]
+        path = directory / entry.file
         if not path.is_file():
             raise Refusal(path, "listed in manifest.json but missing")
         actual = sha256_file(path)
-        if actual != entry["sha256"]:
+        if actual != entry.sha256:
             raise Refusal(path, f"sha256 {actual} differs from manifest.json "
-                          f"({entry['sha256']}): the patch file was modified after the "
+                          f"({entry.sha256}): the patch file was modified after the "
                           "manifest was built")
 
 
@@ -281,7 +311,7 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
     if version != directory.name:
         raise Refusal(wheel, f"is lmcache {version}, but the patch set directory is for {directory.name}")
 
-    previous: list[dict] = []
+    previous: list[PreviousRevision] = []
     if existing is not None:
         if revision < existing.revision:
             raise Refusal(directory / MANIFEST_NAME, f"has revision {existing.revision}; "
@@ -290,11 +320,9 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
         if revision > existing.revision and existing.state == STATE_PATCH:
             # Keep the superseded revision's post-images: an install patched
             # with it is then "patched-older-revision", not "drifted".
-            previous.insert(0, {
-                "revision": existing.revision,
-                "patches": {p["file"]: p["sha256"] for p in existing.patches},
-                "files": {k: v["post"] for k, v in existing.files.items()},
-            })
+            previous.insert(0, PreviousRevision(
+                existing.revision, {p.file: p.sha256 for p in existing.patches},
+                {k: v.post for k, v in existing.files.items()}))
 
     patch_paths = sorted(directory.glob("*.patch"))
     common = dict(patch_set=directory.parent.name, lmcache_version=version, revision=revision,
@@ -334,14 +362,12 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
                     steps.setdefault(fp.path, {})[patch.id] = FileHash.of(data)
                     if fp.path not in pristine:
                         pristine[fp.path] = FileHash.of(read(fp.path) or b"")
-        files = {
-            path: {"pre": pristine[path], "post": list(steps[path].values())[-1], "steps": steps[path]}
-            for path in sorted(steps)
-        }
+        files = {path: FileEntry(pristine[path], list(steps[path].values())[-1], steps[path])
+                 for path in sorted(steps)}
         manifest = Manifest(
             state=STATE_PATCH,
-            patches=[{"id": p.id, "file": p.file.name, "sha256": p.sha256,
-                      "files": [fp.path for fp in p.files]} for p in patches],
+            patches=[PatchEntry(p.id, p.file.name, p.sha256, tuple(fp.path for fp in p.files))
+                     for p in patches],
             files=files, **common)
     if write:
         tmp = directory / f".{MANIFEST_NAME}.tmp"

@@ -11,7 +11,6 @@ disagree.  Nothing here writes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from . import __version__
 from . import classify as C
@@ -103,7 +102,7 @@ def _select(pset: PatchSetDir, patch_id: str | None) -> int:
     if patch_id is None:
         return len(ids)
     for i, pid in enumerate(ids, start=1):
-        fname = pset.manifest.patches[i - 1]["file"]
+        fname = pset.manifest.patches[i - 1].file
         if patch_id in (pid, fname) or pid.split("-", 1)[0] == patch_id:
             return i
     raise Refusal(patch_id, f"no such patch in {pset.name}/{pset.version} (have: {', '.join(ids)})")

@@ -16,9 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .distinfo import DIST as DIST_NAME  # the one owner of the project name
 from .errors import NotInstalled, Refusal
-
-DIST_NAME = "lmcache"
 
 # Run in the target interpreter with -I (isolated: no PYTHONPATH, no cwd on
 # sys.path, so a stray json.py cannot shadow the stdlib).  Only stdlib modules
@@ -171,12 +170,11 @@ def _refuse_non_wheel_install(dist: Path) -> dict | None:
     if dist.suffix != ".dist-info":
         raise Refusal(dist, "legacy egg/develop install: its files are not a wheel's, "
                       "so no manifest hash can vouch for them; reinstall lmcache from its wheel")
-    try:
-        direct_url = json.loads((dist / "direct_url.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    from .distinfo import read_json
+
+    direct_url = read_json(dist / "direct_url.json")
+    if direct_url is None:
         return None
-    except ValueError:
-        raise Refusal(dist / "direct_url.json", "not valid JSON") from None
     if direct_url.get("dir_info", {}).get("editable"):
         raise Refusal(dist, f"editable install of {direct_url.get('url', 'a source tree')}: "
                       "patching would edit a source checkout, and its files are not the wheel's; "
@@ -218,10 +216,9 @@ def discover(python: str | None = None, site_packages: str | None = None) -> Dis
     dist = found[0]
     direct_url = _refuse_non_wheel_install(dist)
     version = _read_metadata_version(dist)
-    try:
-        installer = (dist / "INSTALLER").read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
-        installer = ""
+    from .distinfo import read_installer
+
+    installer = read_installer(dist)
     if not (dist / "RECORD").is_file():
         # The spec says tools must not modify a distribution without RECORD.
         raise Refusal(dist / "RECORD", "missing: without RECORD the install cannot be "

@@ -301,7 +301,7 @@ def _provenance(wheel: Path, src_sha: str, pset, verified_by: str, new_version: 
         # pinned hash.
         "source_wheel": {"filename": wheel.name, "sha256": src_sha, "verified_by": verified_by},
         "manifest_wheel": m.wheel,
-        "patches": [{"id": p["id"], "file": p["file"], "sha256": p["sha256"]} for p in m.patches],
+        "patches": [{"id": p.id, "file": p.file, "sha256": p.sha256} for p in m.patches],
         "files": {p: {"pre": FileHash.of(pristine[p]).to_json(),
                       "post": FileHash.of(patched[p]).to_json()} for p in sorted(patched)},
     }

@@ -75,8 +75,8 @@ def test_revision_bump_keeps_previous(tmp_path, wheel053):
     m1 = build_manifest(d, wheel053)
     make_series(d, wheel053, variant="b")
     m2 = build_manifest(d, wheel053, revision=2)
-    assert m2.previous_revisions[0]["revision"] == 1
-    assert m2.previous_revisions[0]["files"][F1] == m1.files[F1]["post"]
+    assert m2.previous_revisions[0].revision == 1
+    assert m2.previous_revisions[0].files[F1] == m1.files[F1].post
     with pytest.raises(Exception, match="older revision"):
         build_manifest(d, wheel053, revision=1)
 
