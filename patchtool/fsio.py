@@ -25,6 +25,7 @@ import errno
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from .errors import Refusal
 
@@ -131,51 +132,37 @@ def write_durable(path: Path, data: bytes, mode: int | None = None) -> None:
     _fault.done()
 
 
-def replace(src: Path, dst: Path) -> None:
-    injected = _fault.failing()
-    if injected is not None:
-        raise _fail(injected, dst)
-    os.replace(src, dst)
-    _fault.done()
-
-
-def chmod(path: Path, mode: int) -> None:
+def _counted(path: Path, op: Callable[[], object]) -> None:
+    """Run one write ``op`` on ``path`` as a counted write (fault hook)."""
     injected = _fault.failing()
     if injected is not None:
         raise _fail(injected, path)
-    os.chmod(path, mode)
+    op()
     _fault.done()
+
+
+def replace(src: Path, dst: Path) -> None:
+    _counted(dst, lambda: os.replace(src, dst))
+
+
+def chmod(path: Path, mode: int) -> None:
+    _counted(path, lambda: os.chmod(path, mode))
 
 
 def unlink(path: Path) -> None:
     """Remove ``path`` if it exists (removing nothing is no write)."""
-    if not os.path.lexists(path):
-        return
-    injected = _fault.failing()
-    if injected is not None:
-        raise _fail(injected, path)
-    os.unlink(path)
-    _fault.done()
+    if os.path.lexists(path):
+        _counted(path, lambda: os.unlink(path))
 
 
 def makedirs(path: Path) -> None:
-    if path.is_dir():
-        return
-    injected = _fault.failing()
-    if injected is not None:
-        raise _fail(injected, path)
-    path.mkdir(parents=True, exist_ok=True)
-    _fault.done()
+    if not path.is_dir():
+        _counted(path, lambda: path.mkdir(parents=True, exist_ok=True))
 
 
 def rmtree(path: Path) -> None:
-    if not path.exists():
-        return
-    injected = _fault.failing()
-    if injected is not None:
-        raise _fail(injected, path)
-    shutil.rmtree(path)
-    _fault.done()
+    if path.exists():
+        _counted(path, lambda: shutil.rmtree(path))
 
 
 def prune_empty_dirs(root: Path) -> None:
@@ -186,14 +173,8 @@ def prune_empty_dirs(root: Path) -> None:
         return
     for dirpath, _dirs, _files in sorted(os.walk(root), key=lambda t: -len(t[0])):
         p = Path(dirpath)
-        try:
-            next(p.iterdir())
-        except StopIteration:
-            injected = _fault.failing()
-            if injected is not None:
-                raise _fail(injected, p)
-            p.rmdir()
-            _fault.done()
+        if not any(p.iterdir()):
+            _counted(p, p.rmdir)
 
 
 def fsync_dir(path: Path) -> None:
