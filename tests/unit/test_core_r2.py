@@ -314,9 +314,11 @@ def test_verify_accepts_deep(site, patch_root):
 def test_status_without_target_hints_at_python(tmp_path, patch_root):
     """From a pipx venv (here: one without lmcache), status says how to point
     at the serving venv."""
+    import patchtool
+
     py = sw.make_venv(tmp_path / "pipxlike")
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo)] + sys.path[1:]),
+    src = Path(patchtool.__file__).resolve().parents[1]  # the patchtool under test
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src)] + sys.path[1:]),
                LMCACHE_PATCHTOOL_PATCHES=str(patch_root))
     proc = subprocess.run([str(py), "-m", "patchtool", "status", "--json"], capture_output=True,
                           text=True, env=env, cwd=tmp_path)
