@@ -112,8 +112,11 @@ def commit(state_dir: Path, changes: list[Change]) -> None:
     cur = _Cursor()
     try:
         _write(state_dir, txid, changes, cur)
-    except OSError as exc:
+    except (OSError, Refusal) as exc:
+        # A Refusal here is a read that failed (fsio.read_file) after the
+        # plan was made: rolled back the same way, then reported as it is.
         where = cur.path or state_dir
+        why = fsio.describe(exc) if isinstance(exc, OSError) else exc.reason
         try:
             if (state_dir / JOURNAL).exists():
                 recover(state_dir)
@@ -123,11 +126,12 @@ def commit(state_dir: Path, changes: list[Change]) -> None:
                 fsio.unlink(state_dir / (JOURNAL + ".tmp"))
                 _drop_orphans(state_dir)
         except (OSError, Refusal):
-            raise WriteRefusal(where, f"cannot write it: {fsio.describe(exc)}; the rollback "
-                               "could not finish either, and the next patchtool command will "
-                               "complete it") from None
-        raise WriteRefusal(where, f"cannot write it: {fsio.describe(exc)}; nothing was "
-                           "changed") from None
+            raise WriteRefusal(where, f"cannot write it: {why}; the rollback could not "
+                               "finish either, and the next patchtool command will complete "
+                               "it") from None
+        if isinstance(exc, Refusal):
+            raise
+        raise WriteRefusal(where, f"cannot write it: {why}; nothing was changed") from None
     try:
         _drop_orphans(state_dir)
     except OSError:
