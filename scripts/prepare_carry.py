@@ -23,7 +23,7 @@ folder removed) when the total exceeds ``--limit-mib`` (64).
 ``--python-version 3.11`` builds a stand-in carry for the CPU test
 (``tests/gpu_device``): same logic, cp311 wheels for this machine's venvs.
 
-    python3 verify/device/prepare_carry.py            # -> .device-carry/, prints the size
+    python3 scripts/prepare_carry.py                  # -> .device-carry/, prints the size
     run(command="bash verify/gpu_roundtrip_device.sh", carry=[".device-carry"], timeout_s=540)
 """
 
@@ -41,7 +41,7 @@ import zipfile
 from base64 import urlsafe_b64encode
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 VERSIONS = ("0.5.3", "0.5.4", "0.5.5", "0.5.6")
 LIMIT_MIB = 64.0
 # Imported by the harness path (import lmcache, the transfer module, the

@@ -1,4 +1,5 @@
-"""Readers of `verify/resync_sim.py` results, shared by tests/resync and tests/resync_ports."""
+"""Readers of `verify/lmcache_patchtool_verify/resync_sim.py` results, shared by
+tests/resync and tests/resync_ports."""
 
 from __future__ import annotations
 

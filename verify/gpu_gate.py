@@ -29,7 +29,7 @@ show the sub-paged group handled by the fix (``group N: sub-paged, k=K ...
 
 The core (everything but the tokenizer, the optional plot and the probed
 versions) is stdlib-only, so the CPU tests drive it against stand-in servers
-(``verify/standins/``).  Exit status: 0 pass, 20 fail, 21 inconclusive,
+(``tests/standins/``).  Exit status: 0 pass, 20 fail, 21 inconclusive,
 22 error (aborted), 2 usage, 1 internal error.
 """
 
@@ -51,13 +51,13 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-import _gpu_client as client  # noqa: E402
-import _gpu_metrics as gm  # noqa: E402
-import _gpu_prompt as gp  # noqa: E402
-import _gpu_servers as gs  # noqa: E402
-import _gpu_system as gsys  # noqa: E402
-import _gpu_verdict as gv  # noqa: E402
-import procs  # noqa: E402
+from lmcache_patchtool_verify import gpu_client as client  # noqa: E402
+from lmcache_patchtool_verify import gpu_metrics as gm  # noqa: E402
+from lmcache_patchtool_verify import gpu_prompt as gp  # noqa: E402
+from lmcache_patchtool_verify import gpu_servers as gs  # noqa: E402
+from lmcache_patchtool_verify import gpu_system as gsys  # noqa: E402
+from lmcache_patchtool_verify import gpu_verdict as gv  # noqa: E402
+from lmcache_patchtool_verify import procs  # noqa: E402
 
 SCHEMA = "lmcache-patchtool/gpu-gate/1"
 EXIT = {"pass": 0, "fail": 20, "inconclusive": 21, "error": 22}

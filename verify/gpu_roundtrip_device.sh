@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # The CUDA round trip on a lent GPU machine (issue 16; docs/gpu-gate.md, "The lent-device CUDA round trip").
 #
-# Here (network):   python3 verify/device/prepare_carry.py      # -> .device-carry/ (gitignored), <= 64 MiB
+# Here (network):   python3 scripts/prepare_carry.py            # -> .device-carry/ (gitignored), <= 64 MiB
 # Device tool:      run(command="bash verify/gpu_roundtrip_device.sh", carry=[".device-carry"], timeout_s=540)
 #
 # Uses the image's python3 (never a venv): each LMCache version is `pip install --no-deps --target`-ed from its
 # carried wheel and put on PYTHONPATH.  It first reports, per version, whether the compiled extensions load under
-# the image's torch, then runs verify/_ports_roundtrip.py --device cuda (pristine and patched; native path, HND and
-# NHD; 0.5.6's direct-copy path) and times patched k=17 vs pristine k=1.  Nothing new starts after --budget-s
+# the image's torch, then runs lmcache_patchtool_verify.ports_roundtrip --device cuda (pristine and patched;
+# native path, HND and NHD; 0.5.6's direct-copy path) and times patched k=17 vs pristine k=1.  Nothing new starts after --budget-s
 # (default 450 s): the whole call stays under 8 minutes.  Results in $OUT: device-summary.json, device-runs.json,
 # device.log, device-per-byte.png (when matplotlib is there).  Commit them under verify/results/ by hand.
-# Extra arguments go to verify/device/roundtrip_device.py (e.g. --versions 0.5.3,0.5.6 --reps 4).
+# Extra arguments go to verify/lmcache_patchtool_verify/roundtrip_device.py (e.g. --versions 0.5.3,0.5.6 --reps 4).
 set -u
 cd "$(dirname "$0")/.."
 export OUT="${OUT:-$PWD/out-device}"
 mkdir -p "$OUT"
 PY="${DEVICE_PYTHON:-python3}"
 "$PY" -V
-exec "$PY" verify/device/roundtrip_device.py --python "$PY" --out "$OUT" "$@"
+export PYTHONPATH="$PWD/verify${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PY" -m lmcache_patchtool_verify.roundtrip_device --python "$PY" --out "$OUT" "$@"

@@ -50,8 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import geometry
-import procs
+from lmcache_patchtool_verify import geometry, procs
 
 SCHEMA = 1
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
@@ -279,7 +278,7 @@ class Gate:
     def _import_client(self) -> None:
         """torch + lmcache (seconds on a small machine): done while server A boots."""
         if getattr(self, "gc", None) is None:
-            import _gate_client as gc  # noqa: PLC0415
+            from lmcache_patchtool_verify import gate_client as gc  # noqa: PLC0415
 
             self.gc = gc
             self.on_imported()

@@ -93,7 +93,7 @@ def test_restore_refusals(tmp_path, bare_python_053, runtime_python_053, patches
 
 def _gpu_gate_args(tmp: Path, vllm_mode: str = "") -> tuple[list[str], dict]:
     """verify/gpu_gate.py options that drive it against the CPU stand-ins
-    (verify/standins/), as tests/gpu_gate does; no --out (patchtool adds it)."""
+    (tests/standins/), as tests/gpu_gate does; no --out (patchtool adds it)."""
     import json
     import os
     import sys
@@ -101,7 +101,7 @@ def _gpu_gate_args(tmp: Path, vllm_mode: str = "") -> tuple[list[str], dict]:
 
     from .helpers import REPO
 
-    st = REPO / "verify" / "standins"
+    st = REPO / "tests" / "standins"
     py = sys.executable
     model = tmp / "model"
     model.mkdir()

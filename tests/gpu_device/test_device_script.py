@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "verify" / "device"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import prepare_carry as pc  # noqa: E402
@@ -60,11 +59,11 @@ def test_device_script_against_the_cpu_standin(tmp_path):
 
     py = provision.runtime_env("0.5.3") / "bin" / "python"
     carry = tmp_path / "carry"
-    res = subprocess.run([sys.executable, str(REPO / "verify/device/prepare_carry.py"), "--python-version", "3.11",
+    res = subprocess.run([sys.executable, str(REPO / "scripts/prepare_carry.py"), "--python-version", "3.11",
                           "--versions", "0.5.3", "--out", str(carry), "--limit-mib", "0.5"],
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 3 and "exceeds" in res.stderr and not carry.exists()
-    res = subprocess.run([sys.executable, str(REPO / "verify/device/prepare_carry.py"), "--python-version", "3.11",
+    res = subprocess.run([sys.executable, str(REPO / "scripts/prepare_carry.py"), "--python-version", "3.11",
                           "--versions", "0.5.3", "--out", str(carry)], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     sizes = json.loads(res.stdout)

@@ -1,4 +1,4 @@
-"""Fixtures for the GPU gate's CPU tests: the gate's modules on sys.path, stand-in
+"""Fixtures for the GPU gate's CPU tests: ``verify/`` (the gate's helper package) on sys.path, stand-in
 commands, and a runner for ``verify/gpu_gate.py`` as a subprocess."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 VERIFY = REPO / "verify"
-STANDINS = VERIFY / "standins"
+STANDINS = REPO / "tests" / "standins"
 if str(VERIFY) not in sys.path:
     sys.path.insert(0, str(VERIFY))
 

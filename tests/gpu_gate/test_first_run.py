@@ -19,9 +19,9 @@ import json
 import subprocess
 import sys
 
-import _gpu_metrics as gm
-import _gpu_servers as gs
-import _gpu_verdict as gv
+from lmcache_patchtool_verify import gpu_metrics as gm
+from lmcache_patchtool_verify import gpu_servers as gs
+from lmcache_patchtool_verify import gpu_verdict as gv
 
 from .conftest import STANDINS, GateRunner
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-import _gpu_metrics as gm
+from lmcache_patchtool_verify import gpu_metrics as gm
 
 VLLM_TEXT = '''# HELP vllm:external_prefix_cache_hits_total External prefix cache hits
 # TYPE vllm:external_prefix_cache_hits_total counter

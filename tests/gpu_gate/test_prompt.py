@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-import _gpu_prompt as gp
+from lmcache_patchtool_verify import gpu_prompt as gp
 
 TOK = gp.ByteTokenizer()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import _gpu_servers as gs
+from lmcache_patchtool_verify import gpu_servers as gs
 import gpu_gate_cli as gpu_gate
 
 

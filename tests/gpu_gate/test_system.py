@@ -10,9 +10,9 @@ import uuid
 
 from pathlib import Path
 
-import _gpu_system as gsys
+from lmcache_patchtool_verify import gpu_system as gsys
 
-STANDINS = Path(__file__).resolve().parents[2] / "verify" / "standins"
+STANDINS = Path(__file__).resolve().parents[1] / "standins"
 SMI = [sys.executable, str(STANDINS / "fake_nvidia_smi.py")]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-import _gpu_verdict as gv
+from lmcache_patchtool_verify import gpu_verdict as gv
 
 KEYS = ["K-" + "1" * 24, "K-" + "2" * 24]
 

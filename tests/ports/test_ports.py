@@ -2,8 +2,8 @@
 
 Per version, in that version's runtime venv with a wheel overlay on
 PYTHONPATH (``provision.overlay``), the real ``LMCacheDrivenTransferModule``
-round-trips KV through ``verify/_ports_roundtrip.py`` (``verify/roundtrip.py``
-plus the 0.5.4+ shims and the version's own connector-side registration edits):
+round-trips KV through ``lmcache_patchtool_verify.ports_roundtrip`` (the harness
+of ``verify/roundtrip.py`` plus the 0.5.4+ shims and the version's own connector-side registration edits):
 
 * the series applies to the real wheel with zero fuzz;
 * pristine fails every sub-paged preset (0.5.6: the pure-attention one, and
@@ -57,13 +57,13 @@ def _run(version: str, patched: bool, path: str = "python", edits: bool = True, 
         return _RUNS[key]
     venv = provision.runtime_env(version)
     overlay = provision.overlay(version, _series(version) if patched else None)
-    args = [str(venv / "bin" / "python"), str(REPO / "verify" / "_ports_roundtrip.py"), "--json", "--path", path,
-            "--layout", layout]
+    args = [str(venv / "bin" / "python"), "-m", "lmcache_patchtool_verify.ports_roundtrip",
+            "--json", "--path", path, "--layout", layout]
     if edits:
         args.append("--edits")
     for cell in CELLS:
         args += ["--cell", cell]
-    env = dict(os.environ, PYTHONPATH=str(overlay))
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}")
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(proc.stdout)
@@ -189,9 +189,9 @@ def test_dcp_group_is_not_sub_paged(version):
     results = {}
     for patched in (False, True):
         overlay = provision.overlay(version, _series(version) if patched else None)
-        proc = subprocess.run([str(venv / "bin" / "python"), str(REPO / "verify" / "_ports_dcp_probe.py")],
+        proc = subprocess.run([str(venv / "bin" / "python"), "-m", "lmcache_patchtool_verify.ports_dcp_probe"],
                               capture_output=True, text=True, timeout=600,
-                              env=dict(os.environ, PYTHONPATH=str(overlay)))
+                              env=dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[patched] = json.loads(proc.stdout.strip().splitlines()[-1])
     assert results[False]["fraction"] == 1.0 and results[False]["foreign_bytes"] == 0

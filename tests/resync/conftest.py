@@ -1,6 +1,6 @@
 """Fixtures for the block-id resync tests: the vLLM 0.27.1 layer (built and
-cached by scripts/provision_vllm.py), and a runner for verify/resync_sim.py
-against pristine or patched lmcache 0.5.3."""
+cached by scripts/provision_vllm.py), and a runner for
+verify/lmcache_patchtool_verify/resync_sim.py against pristine or patched lmcache 0.5.3."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import provision  # made importable by tests/conftest.py
 
 REPO = Path(__file__).resolve().parents[2]
 PATCH_03 = REPO / "patches" / "hybrid-fa" / "0.5.3" / "03-block-id-resync.patch"
-SIM = REPO / "verify" / "resync_sim.py"
+VERIFY = REPO / "verify"
+SIM = ["-m", "lmcache_patchtool_verify.resync_sim"]  # verify/ on PYTHONPATH
 
 
 @pytest.fixture(scope="session")
@@ -41,9 +42,9 @@ def run_sim(runtime_python_053, vllm_layer, resync_overlays, tmp_path_factory):
         if key not in cache:
             out = tmp_path_factory.mktemp("sim") / f"{scenario}-{which}.json"
             env = dict(os.environ,
-                       PYTHONPATH=f"{resync_overlays[which]}:{vllm_layer}",
+                       PYTHONPATH=f"{resync_overlays[which]}:{vllm_layer}:{VERIFY}",
                        LMCACHE_DISABLE_BANNER="1")
-            proc = subprocess.run([str(runtime_python_053), str(SIM), scenario,
+            proc = subprocess.run([str(runtime_python_053), *SIM, scenario,
                                    "--out", str(out)],
                                   env=env, capture_output=True, text=True, timeout=600)
             assert proc.returncode == 0, proc.stderr[-4000:]

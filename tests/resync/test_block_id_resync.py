@@ -1,8 +1,8 @@
 """03-block-id-resync.patch: LMCache's tracked block ids vs vLLM 0.27.1's
 real scheduler-side lists (BlockPool + MambaManager align/spec + FA).
 
-verify/resync_sim.py drives the real vLLM KVCacheManager and the real
-LMCacheMPConnector (scheduler role); see its docstring for what is emulated.
+verify/lmcache_patchtool_verify/resync_sim.py drives the real vLLM KVCacheManager
+and the real LMCacheMPConnector (scheduler role); see its docstring for what is emulated.
 """
 
 from __future__ import annotations

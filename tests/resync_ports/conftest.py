@@ -1,8 +1,8 @@
 """Fixtures for the part-03 / DCP-guard port tests (LMCache 0.5.4, 0.5.5,
 0.5.6): per version, the vLLM 0.27.1 layer built against that version's
 runtime env (scripts/provision_vllm.py), pristine and patched overlays, and
-ONE batch run of verify/resync_sim.py per (version, pristine|patched) that
-yields every scenario and the DCP construction probe (one import of vLLM and
+ONE batch run of verify/lmcache_patchtool_verify/resync_sim.py per (version,
+pristine|patched) that yields every scenario and the DCP construction probe (one import of vLLM and
 lmcache per run keeps CI cost at ~10 s a run)."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import pytest
 import provision  # made importable by tests/conftest.py
 
 REPO = Path(__file__).resolve().parents[2]
-SIM = REPO / "verify" / "resync_sim.py"
+VERIFY = REPO / "verify"
+SIM = ["-m", "lmcache_patchtool_verify.resync_sim"]  # verify/ on PYTHONPATH
 SCENARIOS = ("hybrid", "hybrid-c1", "plain", "plain-spec")
 CONSTRUCT_DCP = (1, 2)  # test_resync_ports.CONSTRUCT_DCP must match
 
@@ -47,9 +48,9 @@ def port_sim(tmp_path_factory):
         layer = provision_vllm.vllm_layer(version)
         python = provision.runtime_env(version) / "bin" / "python"
         out = tmp_path_factory.mktemp("resync-ports") / f"{version}-{which}.json"
-        env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}", LMCACHE_DISABLE_BANNER="1")
+        env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{VERIFY}", LMCACHE_DISABLE_BANNER="1")
         proc = subprocess.run(
-            [str(python), str(SIM), "batch", "--out", str(out),
+            [str(python), *SIM, "batch", "--out", str(out),
              "--scenarios", ",".join(SCENARIOS),
              "--construct-dcp", ",".join(map(str, CONSTRUCT_DCP))],
             env=env, capture_output=True, text=True, timeout=600)

@@ -3,8 +3,9 @@
 scheduler-side block lists (BlockPool + MambaManager align/spec + FA).
 
 One parametrized test per version runs every check on one pristine and one
-patched batch run of verify/resync_sim.py (see its docstring for what is
-real and what is emulated); the checks are those of tests/resync (0.5.3).
+patched batch run of verify/lmcache_patchtool_verify/resync_sim.py (see its
+docstring for what is real and what is emulated); the checks are those of
+tests/resync (0.5.3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""verify/procs.py against stand-in processes (a tiny stdlib HTTP server).
+"""verify/lmcache_patchtool_verify/procs.py against stand-in processes (a tiny
+stdlib HTTP server).
 
 The stand-in can delay its readiness, spawn a grandchild in its process group,
 exit early, or ignore SIGTERM, so start / readiness / kill / verify-gone /
@@ -21,7 +22,7 @@ import pytest
 VERIFY = Path(__file__).resolve().parents[2] / "verify"
 sys.path.insert(0, str(VERIFY))
 
-import procs  # noqa: E402
+from lmcache_patchtool_verify import procs  # noqa: E402
 
 STANDIN = textwrap.dedent('''
     import argparse, http.server, json, os, signal, subprocess, sys, time
@@ -203,7 +204,7 @@ def test_cleanup_on_exception(standin: Path, tmp_path: Path) -> None:
 DRIVER = textwrap.dedent('''
     import json, sys, time
     sys.path.insert(0, sys.argv[1])
-    import procs
+    from lmcache_patchtool_verify import procs
     port = procs.free_port()
     with procs.Supervisor() as sup:
         d = sup.tempdir(prefix="procs-driver-")
@@ -269,7 +270,7 @@ def test_atexit_fallback_when_the_block_is_never_left(standin: Path, tmp_path: P
     script.write_text(textwrap.dedent(f'''
         import json, sys
         sys.path.insert(0, {str(VERIFY)!r})
-        import procs
+        from lmcache_patchtool_verify import procs
         port = procs.free_port()
         sup = procs.Supervisor().__enter__()
         d = sup.tempdir(prefix="procs-abandon-")
@@ -290,6 +291,7 @@ def test_wait_until_times_out() -> None:
 
 
 def test_module_stays_torch_free() -> None:
-    out = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(VERIFY)!r}); import procs; "
+    out = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(VERIFY)!r}); "
+                          "from lmcache_patchtool_verify import procs; "
                           "print('torch' in sys.modules)"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PROBE = REPO / "verify" / "registration_probe.py"
+VERIFY = REPO / "verify"
+PROBE = ["-m", "lmcache_patchtool_verify.registration_probe"]  # verify/ on PYTHONPATH
 
 
 def probe(python: Path, overlay: Path, *args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(overlay))
-    proc = subprocess.run([str(python), str(PROBE), *args], capture_output=True, text=True,
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{VERIFY}")
+    proc = subprocess.run([str(python), *PROBE, *args], capture_output=True, text=True,
                           env=env, timeout=300, cwd=str(REPO))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)

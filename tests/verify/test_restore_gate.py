@@ -103,7 +103,7 @@ def test_prefetch_split_parses_the_servers_l1_l2_account() -> None:
     log = ("\x1b[32;20m[2026-01-01 00:00:00,000] LMCache INFO:\x1b[0m Prefetch request completed (L1+L2): "
            "4/4 retained keys (1 L1, 3 L2) in 12.3 ms (external_request_id=gate-restore-abc, "
            "prefetch_request_id=7) \x1b[3m(storage_manager.py:718:x)\x1b[0m\n")
-    import procs  # noqa: PLC0415
+    from lmcache_patchtool_verify import procs  # noqa: PLC0415
 
     assert restore_gate.prefetch_split(procs.ansi_strip(log), "gate-restore-abc") == \
         {"keys_hit": 4, "keys_requested": 4, "l1": 1, "l2": 3}

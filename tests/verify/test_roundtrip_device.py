@@ -2,7 +2,7 @@
 
 * the CLI refuses ``--device cuda`` in one line (exit 3) where torch.cuda is
   unavailable, and ``--path direct`` without ``--device cuda``;
-* ``_harness_cuda``: path selection by LMCache's own module flags, the
+* ``harness_cuda``: path selection by LMCache's own module flags, the
   pass-through that records the native plan's host windows, same-process
   producer events -- against fakes;
 * ``--device cpu-standin`` runs the whole ``--device cuda`` code path (event
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "verify" / "roundtrip.py"
 sys.path.insert(0, str(REPO / "verify"))
 
-import _harness_cuda as hc  # noqa: E402
+from lmcache_patchtool_verify import harness_cuda as hc  # noqa: E402
 
 
 # -- fakes --------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import zmq
 
-import geometry
+from . import geometry
 from lmcache import torch_dev
 from lmcache.integration.vllm.vllm_multi_process_adapter import (
     LMCacheMPSchedulerAdapter,

@@ -23,10 +23,10 @@ out exactly as vLLM 0.27.1 registers a hybrid model (``geometry.py``):
 
 Only what cannot run on CPU is replaced: the CUDA native plan executor is
 emulated from the Python path's semantics (``--path native``, see
-``_harness_native.py``); events/streams are LMCache's own CPU stubs.
+``harness_native.py``); events/streams are LMCache's own CPU stubs.
 
 ``--device cuda`` runs the same cells on CUDA tensors through LMCache's REAL
-transfer path instead (``_harness_cuda.py``): ``--path native`` is the
+transfer path instead (``harness_cuda.py``): ``--path native`` is the
 compiled plan executor (``execute_object_group_transfer``), ``--path direct``
 0.5.6's copy-engine path (``execute_direct_copy_transfer``), ``--path python``
 the per-batch Python loop over the compiled kernels.  Host objects live in
@@ -35,9 +35,9 @@ the analysis runs on CPU copies.  Without a usable GPU ``--device cuda`` is
 refused in one line (exit 3).
 
 Guards (on by default): frozen base-object metadata and a recorder of every
-host<->staging copy (``_harness_guards.py``).
+host<->staging copy (``harness_guards.py``).
 
-Run by path in the target interpreter, e.g.::
+Run by path in the target interpreter through ``verify/roundtrip.py``, e.g.::
 
     PYTHONPATH=<overlay> <venv>/bin/python verify/roundtrip.py --json --preset qwen35-0.8b
     ... verify/roundtrip.py --json --matrix fast --path native
@@ -63,7 +63,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import geometry
+from . import geometry
 
 POISON = 0xA5
 MODEL = "roundtrip-model"
@@ -204,7 +204,7 @@ class FakeStorageManager:
         import torch  # noqa: PLC0415
         from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj  # noqa: PLC0415
 
-        from _harness_guards import FrozenMeta, GuardedTensorMemoryObj, snapshot  # noqa: PLC0415
+        from .harness_guards import FrozenMeta, GuardedTensorMemoryObj, snapshot  # noqa: PLC0415
 
         out = {}
         for key in keys:
@@ -367,7 +367,7 @@ class Options:
     hashes: bool = True
     dump_dir: str | None = None
     inject: str | None = None  # guard self-test: meta-write | used-size | address-skew
-    device: str = "cpu"  # cpu | cuda (the real native path, _harness_cuda.py)
+    device: str = "cpu"  # cpu | cuda (the real native path, harness_cuda.py)
 
 
 def _inject_fault(kind: str | None):
@@ -444,13 +444,13 @@ def run_cell(cell: Cell, opts: Options) -> dict:
         LMCacheDrivenTransferModule,
     )
 
-    import _harness_guards as guards  # noqa: PLC0415
-    from _harness_native import native_emulation  # noqa: PLC0415
+    from . import harness_guards as guards  # noqa: PLC0415
+    from .harness_native import native_emulation  # noqa: PLC0415
 
     on_cuda = opts.device != "cpu"  # "cuda", or "cpu-standin": the same code path on CPU tensors
     tensor_device = "cpu" if opts.device == "cpu-standin" else opts.device
     if on_cuda:
-        import _harness_cuda as hc  # noqa: PLC0415
+        from . import harness_cuda as hc  # noqa: PLC0415
     elif cell.path == "direct":
         raise ValueError("path=direct is the CUDA copy-engine path: it needs --device cuda")
     dev_kw = {"device": tensor_device} if on_cuda else {}
@@ -784,7 +784,7 @@ def _dump(root: Path, cell: Cell, geo, src, sm, keys, result) -> None:
 def run(cells: list[Cell], opts: Options) -> dict:
     doc: dict[str, Any] = {"harness": "verify/roundtrip.py", "format": 1, "lmcache": _lmcache_info(), "cells": []}
     if opts.device != "cpu":
-        import _harness_cuda as hc  # noqa: PLC0415
+        from . import harness_cuda as hc  # noqa: PLC0415
 
         desc = hc.availability()[1] if opts.device == "cuda" else "CPU tensors through the --device cuda code path"
         doc["device"] = {"type": opts.device, "description": desc, "transfer": hc.native_status()}
@@ -855,7 +855,7 @@ def main(argv: list[str] | None = None) -> int:
         cells.append(Cell(args.preset or "qwen35-0.8b", args.chunk_blocks, args.chunks, args.skip_blocks,
                           ids=args.ids, path=args.path, seed=args.seed))
     if args.device != "cpu":
-        import _harness_cuda as hc  # noqa: PLC0415
+        from . import harness_cuda as hc  # noqa: PLC0415
 
         ok, why = hc.availability() if args.device == "cuda" else (True, "")
         if not ok:

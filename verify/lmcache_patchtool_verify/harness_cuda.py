@@ -1,7 +1,7 @@
 """CUDA support for the round-trip harness (``verify/roundtrip.py --device cuda``).
 
 On CPU the harness emulates LMCache's native plan executor
-(``_harness_native.py``); on CUDA it runs the REAL one.  This module holds
+(``harness_native.py``); on CUDA it runs the REAL one.  This module holds
 what differs on a GPU, and nothing that changes the CPU run:
 
 * :func:`availability`: whether ``torch.cuda`` can be used (the CLI refuses
@@ -322,7 +322,7 @@ def synchronize(device: str = "cuda") -> None:
 @contextlib.contextmanager
 def standin_native():
     """``cpu-standin``: give the transfer module an executor to run on CPU (the emulation's)."""
-    import _harness_native as hn  # noqa: PLC0415
+    from . import harness_native as hn  # noqa: PLC0415
 
     with hn.native_emulation(None):
         yield

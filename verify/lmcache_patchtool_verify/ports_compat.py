@@ -1,7 +1,8 @@
 """Version shims that let the 0.5.3 round-trip harness drive LMCache 0.5.4-0.5.6.
 
-lmcache-patchtool hybrid-fa ports.  ``verify/roundtrip.py`` and its helpers
-(``_harness_guards.py``, ``_harness_native.py``) were written against 0.5.3,
+lmcache-patchtool hybrid-fa ports.  The round-trip harness (``harness.py``,
+run by ``verify/roundtrip.py``) and its helpers (``harness_guards.py``,
+``harness_native.py``) were written against 0.5.3,
 where the transfer functions live in ``lmcache_driven_transfer`` and the ops
 module is ``lmc_ops``.  What moved (see docs/ports.md):
 
@@ -15,8 +16,8 @@ module is ``lmc_ops``.  What moved (see docs/ports.md):
   package without ``_is_cross_layer_format``.
 
 :func:`install` rebinds, at runtime and without touching those files:
-``_harness_guards.CopyRecorder.wrap_python_path``, ``roundtrip._inject_fault``
-and ``_harness_native.native_emulation`` to versions that patch the module
+``harness_guards.CopyRecorder.wrap_python_path``, ``harness._inject_fault``
+and ``harness_native.native_emulation`` to versions that patch the module
 that really owns the transfer, and gives ``lmcache_driven_transfer`` a
 read-only ``_HAS_NATIVE_OBJECT_GROUP_TRANSFER`` on 0.5.6 (``_lmcache_info``
 reads it).  On 0.5.3 it does nothing.
@@ -66,9 +67,9 @@ def _wrap_python_path(self):
 
 
 def _inject_fault(kind: str | None):
-    import roundtrip  # noqa: PLC0415
+    from . import harness  # noqa: PLC0415
 
-    return roundtrip.fault_injected(kind, transfer_module)
+    return harness.fault_injected(kind, transfer_module)
 
 
 # ---------------------------------------------------------------------------
@@ -87,12 +88,12 @@ def _per_layer_ptrs(torch_ops: Any, shape_desc: Any, fmt: Any) -> int:  # noqa: 
 def native_emulation(recorder: Callable[..., None] | None = None):
     """Route the transfer through ``_run_object_group_transfer_plan`` on CPU.
 
-    The executor of ``_harness_native`` (H2D: staging copies then launches per
+    The executor of ``harness_native`` (H2D: staging copies then launches per
     BatchStep; D2H: launches then staging copies), with 0.5.4+'s H2D enum
     (``lmcache_native``) and per-layer pointer arrays, installed as
     ``device_ops`` of the transfer module and of ``gpu_ops``.
     """
-    import _harness_native as hn  # noqa: PLC0415
+    from . import harness_native as hn  # noqa: PLC0415
     from lmcache.v1.gpu_connector import gpu_ops  # noqa: PLC0415
     import lmcache.lmcache_native as lmcache_native  # noqa: PLC0415
     from lmcache.v1.platform import torch_ops  # noqa: PLC0415
@@ -154,27 +155,25 @@ def _storage_manager_056(base_cls):
 
 def install() -> None:
     """Adapt the harness modules to the lmcache on ``sys.path`` (idempotent)."""
-    import _harness_guards  # noqa: PLC0415
-    import _harness_native  # noqa: PLC0415
-    import roundtrip  # noqa: PLC0415
+    from . import harness, harness_guards, harness_native  # noqa: PLC0415
     from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: PLC0415
 
     mod = transfer_module()
     if mod is ldt and ops_attr(ldt) == "lmc_ops":
         return  # 0.5.3: nothing to adapt
-    if not hasattr(_harness_native, "_orig_native_emulation"):
-        _harness_native._orig_native_emulation = _harness_native.native_emulation
-    _harness_native.native_emulation = native_emulation
-    _harness_guards.CopyRecorder.wrap_python_path = _wrap_python_path
-    roundtrip._inject_fault = _inject_fault
+    if not hasattr(harness_native, "_orig_native_emulation"):
+        harness_native._orig_native_emulation = harness_native.native_emulation
+    harness_native.native_emulation = native_emulation
+    harness_guards.CopyRecorder.wrap_python_path = _wrap_python_path
+    harness._inject_fault = _inject_fault
     if not hasattr(ldt, "_HAS_NATIVE_OBJECT_GROUP_TRANSFER"):
         ldt._HAS_NATIVE_OBJECT_GROUP_TRANSFER = mod._HAS_NATIVE_OBJECT_GROUP_TRANSFER
-    if mod is not ldt and not getattr(roundtrip, "_ports_056", False):
+    if mod is not ldt and not getattr(harness, "_ports_056", False):
         # 0.5.6 server context: storage-manager completions, null block id,
         # per-request read owners and the lookup session manager.
-        roundtrip._ports_056 = True
-        roundtrip.FakeStorageManager = _storage_manager_056(roundtrip.FakeStorageManager)
-        orig_ctx = roundtrip._fake_server_context
+        harness._ports_056 = True
+        harness.FakeStorageManager = _storage_manager_056(harness.FakeStorageManager)
+        orig_ctx = harness._fake_server_context
 
         def _fake_server_context(chunk_size, sm):
             ctx = orig_ctx(chunk_size, sm)
@@ -183,4 +182,4 @@ def install() -> None:
             ctx.session_manager = types.SimpleNamespace(get=lambda request_id: None)  # noqa: ARG005
             return ctx
 
-        roundtrip._fake_server_context = _fake_server_context
+        harness._fake_server_context = _fake_server_context

@@ -11,14 +11,12 @@ signature as a sub-paged group.  Pristine LMCache handles it as a slot ratio
 group (block_size 64, dcp 2: tokens_per_block 128) and round-trips whole
 blocks from scattered ids into other ids; it prints JSON with the restored
 fraction and foreign bytes.  Run in a version's runtime venv with the overlay
-on PYTHONPATH.
+on PYTHONPATH::
+
+    PYTHONPATH=<overlay>:verify <venv>/bin/python -m lmcache_patchtool_verify.ports_dcp_probe
 """
 import json
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from lmcache.utils import EngineType  # noqa: E402
@@ -26,11 +24,11 @@ from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey  # noqa: E402
 from lmcache.v1.multiprocess.group_view import EngineGroupInfo  # noqa: E402
 from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: E402
 
-import _ports_compat  # noqa: E402
+from . import ports_compat  # noqa: E402
 
-_ports_compat.install()  # the harness's fake server context, adapted to this version
+ports_compat.install()  # the harness's fake server context, adapted to this version
 
-import roundtrip  # noqa: E402  (after install(): 0.5.6 swaps its storage manager in)
+from . import harness as roundtrip  # noqa: E402  (after install(): 0.5.6 swaps its storage manager in)
 
 
 def main() -> None:

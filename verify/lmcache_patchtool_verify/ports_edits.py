@@ -32,7 +32,7 @@ import sys
 import types
 from types import SimpleNamespace
 
-import geometry
+from . import geometry
 
 # The unpatched builder (the ports runner rebinds geometry.build_kv_caches).
 _BUILD = geometry.build_kv_caches

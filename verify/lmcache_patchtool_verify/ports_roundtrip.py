@@ -1,31 +1,24 @@
 #!/usr/bin/env python3
-"""``verify/roundtrip.py`` for LMCache 0.5.3-0.5.6, with each version's own
-connector-side registration edits and a selectable KV layout.
+"""The round-trip harness (``verify/roundtrip.py``) for LMCache 0.5.3-0.5.6, with
+each version's own connector-side registration edits and a selectable KV layout.
 
 lmcache-patchtool hybrid-fa ports.  Runs the real round-trip harness
-unchanged after :func:`_ports_compat.install` (0.5.4+ module moves) and, with
+unchanged after :func:`ports_compat.install` (0.5.4+ module moves) and, with
 ``--edits``, replaces the registered tensors by what the version's own
 ``apply_kv_cache_group_edits`` makes of vLLM 0.27.1's tensors
-(:mod:`_ports_edits`); ``--layout NHD`` builds FlashInfer NHD tensors and
+(:mod:`ports_edits`); ``--layout NHD`` builds FlashInfer NHD tensors and
 registers with ``{"kv_layout": "NHD"}`` (0.5.6's detector honours an explicit
 hint on CPU; 0.5.3-0.5.5 force HND on CPU, so NHD is only meaningful there).
 Every other option is roundtrip.py's::
 
-    PYTHONPATH=<overlay> <venv>/bin/python verify/_ports_roundtrip.py --edits --layout HND --matrix fast
+    PYTHONPATH=<overlay>:verify <venv>/bin/python -m lmcache_patchtool_verify.ports_roundtrip --edits --layout HND --matrix fast
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import geometry  # noqa: E402
-import roundtrip  # noqa: E402
-
-import _ports_compat  # noqa: E402
-import _ports_edits  # noqa: E402
+from . import geometry, harness, ports_compat, ports_edits
 
 EDIT_REPORTS: list[dict] = []
 
@@ -36,13 +29,13 @@ def _install_layout(layout: str, edits: bool) -> None:
     orig_build = geometry.build_kv_caches
 
     def build(geo, nb, *, fill=None, seed=None, device="cpu"):
-        caches = _ports_edits.build_raw(geo, nb, layout=layout, fill=fill, seed=seed, device=device)
+        caches = ports_edits.build_raw(geo, nb, layout=layout, fill=fill, seed=seed, device=device)
         if edits:
-            EDIT_REPORTS.append(_ports_edits.apply_edits(caches, layout))
+            EDIT_REPORTS.append(ports_edits.apply_edits(caches, layout))
         return caches
 
     build.__wrapped__ = orig_build
-    roundtrip.geometry.build_kv_caches = build
+    harness.geometry.build_kv_caches = build
 
     cls = ldt.LMCacheDrivenTransferModule
     orig_register = cls.register_kv_cache
@@ -96,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--layout")
         layout = argv[i + 1]
         del argv[i:i + 2]
-    _ports_compat.install()
+    ports_compat.install()
     _install_layout(layout, edits)
     _bytewise_torch_equal()
-    return roundtrip.main(argv)
+    return harness.main(argv)
 
 
 if __name__ == "__main__":

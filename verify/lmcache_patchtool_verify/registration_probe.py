@@ -11,8 +11,8 @@ and reports (JSON on stdout):
   making the cache context report a host segment one slot short (the only
   way to reach that state on CPU, where shapes are consistent by design).
 
-Run by path in the target interpreter:
-``PYTHONPATH=<site> python verify/registration_probe.py --preset qwen35-0.8b``
+Run as a module in the target interpreter, with ``verify/`` on the path:
+``PYTHONPATH=<site>:verify python -m lmcache_patchtool_verify.registration_probe --preset qwen35-0.8b``
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import logging
 import re
 import sys
 
-import geometry
+from . import geometry
 
 
 class _Capture(logging.Handler):
@@ -41,7 +41,7 @@ def probe(preset: str, break_tiling: bool) -> dict:
     from lmcache.v1.multiprocess.group_view import EngineGroupInfo  # noqa: PLC0415
     from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: PLC0415
 
-    from roundtrip import FakeStorageManager, _fake_server_context, _Wrapper  # noqa: PLC0415
+    from .harness import FakeStorageManager, _fake_server_context, _Wrapper  # noqa: PLC0415
 
     geo = geometry.preset(preset)
     capture = _Capture()

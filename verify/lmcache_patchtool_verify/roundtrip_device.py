@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The CUDA round trip on a lent GPU machine, per LMCache version (issue 16).
 
-Run by ``verify/gpu_roundtrip_device.sh`` with the image's ``python3`` and the
-folder ``verify/device/prepare_carry.py`` wrote (``.device-carry``).  Never a
+Run by ``verify/gpu_roundtrip_device.sh`` (``python3 -m
+lmcache_patchtool_verify.roundtrip_device``, ``verify/`` on ``PYTHONPATH``)
+with the image's ``python3`` and the folder ``scripts/prepare_carry.py`` wrote (``.device-carry``).  Never a
 venv: each version is ``pip install --no-deps --target``-ed from its carried
 wheel, the carried dependencies into one more folder, and everything is put on
 ``PYTHONPATH``.  Per version:
@@ -13,7 +14,7 @@ wheel, the carried dependencies into one more folder, and everything is put on
    copy);
 2. **patch**: a copy of the install is patched with ``patchtool apply
    --site-packages`` (GNU ``patch -p1 -F0`` if that fails, recorded);
-3. **correctness**: ``verify/_ports_roundtrip.py --device cuda --edits`` on
+3. **correctness**: ``-m lmcache_patchtool_verify.ports_roundtrip --device cuda --edits`` on
    the small matrix, pristine and patched, on the native path in HND and NHD,
    and on 0.5.6's direct-copy path (NHD, the layout it serves);
 4. **timing**: patched ``qwen35-0.8b`` (k=17) vs pristine ``control-k1`` on
@@ -43,7 +44,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-HARNESS = REPO / "verify" / "_ports_roundtrip.py"
+VERIFY = REPO / "verify"
+HARNESS = ["-m", "lmcache_patchtool_verify.ports_roundtrip"]  # verify/ is on PYTHONPATH (env())
 MATRIX = {  # small: every sub-paged preset, a batched retrieve with a skip, the k=1 control
     "tiny": ["preset=qwen35-0.8b,chunk_blocks=1,num_chunks=3",
              "preset=control-k1,chunk_blocks=1,num_chunks=2"],
@@ -81,7 +83,8 @@ for k in [k for k in sys.modules if k == "lmcache" or k.startswith("lmcache.")]:
     del sys.modules[k]
 try:
     sys.path.insert(0, sys.argv[2])
-    import lmcache, _harness_cuda as hc
+    import lmcache
+    from lmcache_patchtool_verify import harness_cuda as hc
     out["torch_device_type"] = getattr(lmcache, "torch_device_type", None)
     out["lmcache_sees"] = hc.native_status()
 except BaseException as exc:
@@ -120,7 +123,7 @@ class Runner:
             return subprocess.CompletedProcess(cmd, 124, exc.stdout or "", f"timed out after {exc.timeout:.0f} s")
 
     def env(self, site: Path) -> dict:
-        paths = [str(site), str(self.work / "deps")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
+        paths = [str(site), str(self.work / "deps"), str(VERIFY)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
                                                         else [])
         return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
 
@@ -162,7 +165,7 @@ class Runner:
             self.summary["skipped"].append(label)
             self.log(f"skip {label}: deadline")
             return None
-        cmd = [self.py, str(HARNESS), "--json", "--no-hashes", "--device", self.device, "--path", path,
+        cmd = [self.py, *HARNESS, "--json", "--no-hashes", "--device", self.device, "--path", path,
                "--layout", layout, "--edits", *extra]
         for c in cells:
             cmd += ["--cell", c]
@@ -237,7 +240,7 @@ class Runner:
             if site is None:
                 continue
             sites[v] = site
-            p = self.sh([self.py, "-c", PROBE, str(site), str(REPO / "verify")], 120, env=self.env(site))
+            p = self.sh([self.py, "-c", PROBE, str(site), str(VERIFY)], 120, env=self.env(site))
             try:
                 self.summary["versions"][v]["probe"] = json.loads(p.stdout.strip().splitlines()[-1])
             except (ValueError, IndexError):
@@ -326,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.work)
     Path(args.work).mkdir(parents=True)
     if not (Path(args.carry) / "manifest.json").exists():
-        print(f"roundtrip_device: no carry at {args.carry} (run verify/device/prepare_carry.py and carry it)",
+        print(f"roundtrip_device: no carry at {args.carry} (run scripts/prepare_carry.py and carry it)",
               file=sys.stderr)
         return 2
     return Runner(args).run()
