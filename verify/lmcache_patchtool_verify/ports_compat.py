@@ -29,22 +29,9 @@ import contextlib
 import types
 from typing import Any, Callable
 
-
-def transfer_module():
-    """The module whose globals the transfer functions read."""
-    try:
-        from lmcache.v1.multiprocess import object_group_transfer as ogt  # noqa: PLC0415
-
-        return ogt
-    except ImportError:
-        from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: PLC0415
-
-        return ldt
-
-
-def ops_attr(mod) -> str:
-    """Name of the ops global in ``mod``: ``lmc_ops`` (0.5.3) or ``device_ops``."""
-    return "lmc_ops" if hasattr(mod, "lmc_ops") else "device_ops"
+# Which module owns the transfer (0.5.6 moved it) and its ops global's name:
+# one definition, shared with the CUDA path.
+from .harness_cuda import ops_attr, transfer_module
 
 
 def lmcache_version() -> str | None:
