@@ -19,7 +19,7 @@ import pytest
 from _cli import CRASH_VAR, Run, cli
 
 from . import synthwheel as sw
-from .synthwheel import F1, SKIP, STATE_DIR, tree_hashes
+from .synthwheel import F1, STATE_DIR, tree_hashes
 from .test_states_and_refusals import one_line, sp
 
 WRITE_FAILED = 19
