@@ -141,13 +141,12 @@ class Record:
     @classmethod
     def read(cls, path: Path) -> "Record":
         """Read and parse the RECORD file at ``path``; any OS error is a refusal."""
-        try:
-            data = Path(path).read_bytes()
-        except FileNotFoundError:
+        from .fsio import read_file  # the one owner of OS errors on reads
+
+        data = read_file(Path(path))
+        if data is None:
             raise Refusal(path, "missing: without RECORD the install cannot be checked "
-                          "or kept consistent") from None
-        except OSError as exc:
-            raise Refusal(path, f"cannot read: {exc.strerror or exc}") from None
+                          "or kept consistent")
         return cls.parse(data, path)
 
     @classmethod
