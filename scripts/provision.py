@@ -230,8 +230,11 @@ def bare_env(version: str) -> Path:
         return venv
 
 
-def runtime_env(version: str) -> Path:
-    """A venv in which lmcache ``version`` imports and its server runs on CPU."""
+def runtime_env(version: str, torch_version: str = TORCH_VERSION) -> Path:
+    """A venv in which lmcache ``version`` imports and its server runs on CPU,
+    on torch ``torch_version`` (default 2.13.0, vLLM 0.27.1's pin; a vLLM
+    layer whose pin has a CPU build asks for that one)."""
+    TORCH_VERSION = torch_version  # noqa: N806 - the name the body below uses
     venv = cache_root() / "envs" / f"runtime-lmcache-{version}-torch{TORCH_VERSION}"
     with _locked(venv.name):
         if (venv / STAMP).exists():
@@ -330,8 +333,9 @@ def inventory(versions: tuple[str, ...] = VERSIONS) -> dict[str, dict[str, bool]
     from_stamp = {
         "bare": lambda v: envs / f"bare-lmcache-{v}",
         "runtime": lambda v: envs / f"runtime-lmcache-{v}-torch{TORCH_VERSION}",
-        # scripts/provision_vllm.py's layer (vLLM 0.27.1)
-        "vllm-layer": lambda v: envs / f"vllm-0.27.1-layer-lmcache-{v}",
+        # scripts/provision_vllm.py's layer (vLLM 0.27.1, or $LMCACHE_PATCHTOOL_VLLM)
+        "vllm-layer": lambda v: envs / f"vllm-{os.environ.get('LMCACHE_PATCHTOOL_VLLM', '').strip() or '0.27.1'}"
+                                       f"-layer-lmcache-{v}",
     }
     out = {"wheel": {v: any((root / "wheels" / f"lmcache-{v}").glob(f"lmcache-{v}-*.whl"))
                      for v in versions}}

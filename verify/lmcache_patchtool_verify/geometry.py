@@ -19,6 +19,19 @@ vLLM's ``_reshape_kv_cache_tensors``):
   it (``_MambaUnifiedViewEdit``, HND) as ``(nb, 1, N, page_bytes // N)`` before
   registering; :func:`build_kv_caches` returns that post-edit view, because the
   server side (what the harness and gate drive) only ever sees the edited tensor.
+
+vLLM 0.30+ (``gdn_view="0.30"``): ``create_kv_cache_views``
+(``vllm/v1/kv_cache_interface.py`` of the 0.30.0 wheel) views every layer as
+``[B, H, N, C]`` bytes with explicit strides.  Attention stays rank-4 as above.
+A Mamba spec has ``num_heads = 1``, one state per block and no ``dtype``, so the
+GDN layer becomes an ``int8`` ``(nb, 1, 1, content)`` view whose row is the
+**unpadded** state (``MambaSpec.state_content_size_bytes``) while ``stride(0)``
+is the block stride of the shared pool, i.e. the **padded** page (strides
+``(page, content, content, 1)``).  :func:`build_kv_caches` then runs the
+installed LMCache's own connector edit (``_MambaUnifiedViewEdit``) on that view
+to get what the server sees; 0.5.3/0.5.4's edit is a plain ``.view(nb, 1, N,
+-1)``, 0.5.5+'s an ``as_strided`` that keeps ``stride(0)``.  ``raw`` stays the
+whole padded page (the memory), ``registered`` is vLLM's view.
 """
 
 from __future__ import annotations
@@ -45,12 +58,22 @@ class Geometry:
     # Layer order: GDN layers first (as in Qwen3.5, where layer 0 is GDN), so
     # the FA segment of a host object sits after the Mamba segment.
     gdn_first: bool = True
+    # The GDN state's real size (conv + ssm); 0 = the whole padded page.  vLLM
+    # pads it up to the attention page (``mamba_page_size_padded``).
+    gdn_state_bytes: int = 0
+    # Which vLLM registers the tensors: "0.27" (0.27.1-0.29: the GDN row is the
+    # padded page) or "0.30" (create_kv_cache_views: unpadded row, padded stride).
+    gdn_view: str = "0.27"
 
     def __post_init__(self) -> None:
         if self.tokens_per_block % self.kernel_page:
             raise ValueError(f"{self.name}: N={self.tokens_per_block} is not a multiple of P={self.kernel_page}")
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"{self.name}: unsupported dtype {self.dtype}")
+        if self.gdn_view not in ("0.27", "0.30"):
+            raise ValueError(f"{self.name}: gdn_view {self.gdn_view!r}: 0.27 or 0.30")
+        if self.gdn_state_bytes > self.fa_block_bytes:
+            raise ValueError(f"{self.name}: GDN state {self.gdn_state_bytes} B exceeds the page")
 
     @property
     def k(self) -> int:
@@ -80,6 +103,11 @@ class Geometry:
         return self.fa_block_bytes
 
     @property
+    def gdn_content_bytes(self) -> int:
+        """The unpadded GDN state (what vLLM 0.30+ registers as the row)."""
+        return self.gdn_state_bytes or self.gdn_block_bytes
+
+    @property
     def layer_kinds(self) -> list[str]:
         gdn = ["gdn"] * self.num_gdn_layers
         fa = ["fa"] * self.num_fa_layers
@@ -107,8 +135,38 @@ PRESETS: dict[str, Geometry] = {
                  description="pure attention, FlashInfer with --block-size 128: 128/64, k=2, no GDN layers"),
         Geometry("control-k1", 544, 544, num_kv_heads=2, head_size=256, num_fa_layers=1, num_gdn_layers=3,
                  description="hybrid under FlashAttention (no sub-paging): 544/544, k=1 control"),
+        # vLLM 0.28-0.33 geometries (issue 13).  GDN state of Qwen3.5-0.8B: conv (3, 6144) bf16
+        # + ssm (16, 128, 128) fp32 = 1,085,440 B at TP=1, 271,360 B at TP=4 (vllm-geometry.md 1.3).
+        Geometry("qwen35-bs576", 576, 64, num_kv_heads=2, head_size=256, num_fa_layers=1, num_gdn_layers=3,
+                 gdn_state_bytes=1_085_440,
+                 description="vLLM 0.33 align mode + FlashInfer GDN prefill (block rounded to 64): "
+                             "Qwen3.5-0.8B-like 576/64, k=9"),
+        Geometry("qwen35-tp4-bs320", 320, 64, num_kv_heads=1, head_size=256, num_fa_layers=1, num_gdn_layers=3,
+                 gdn_state_bytes=271_360,
+                 description="the same at TP=4 (1 KV head, GDN heads / 4): 320/64, k=5"),
+        Geometry("qwen35-fa4-bs640", 640, 128, num_kv_heads=2, head_size=256, num_fa_layers=1, num_gdn_layers=3,
+                 gdn_state_bytes=1_085_440,
+                 description="FA4 on Blackwell, head_dim 256, 128-token kernel pages: 640/128, k=5"),
+        # The same models as vLLM 0.30+ registers them: GDN (nb, 1, 1, content), unpadded row,
+        # padded stride(0); attention unchanged.
+        Geometry("qwen35-bs576-v030", 576, 64, num_kv_heads=2, head_size=256, num_fa_layers=1,
+                 num_gdn_layers=3, gdn_state_bytes=1_085_440, gdn_view="0.30",
+                 description="qwen35-bs576 with vLLM 0.30+'s GDN view (unpadded row, padded stride): k=9"),
+        Geometry("qwen35-tp4-bs320-v030", 320, 64, num_kv_heads=1, head_size=256, num_fa_layers=1,
+                 num_gdn_layers=3, gdn_state_bytes=271_360, gdn_view="0.30",
+                 description="qwen35-tp4-bs320 with vLLM 0.30+'s GDN view: k=5"),
+        Geometry("qwen35-fa4-bs640-v030", 640, 128, num_kv_heads=2, head_size=256, num_fa_layers=1,
+                 num_gdn_layers=3, gdn_state_bytes=1_085_440, gdn_view="0.30",
+                 description="qwen35-fa4-bs640 with vLLM 0.30+'s GDN view: k=5"),
+        Geometry("control-k1-v030", 576, 576, num_kv_heads=2, head_size=256, num_fa_layers=1, num_gdn_layers=3,
+                 gdn_state_bytes=1_085_440, gdn_view="0.30",
+                 description="k=1 control (FlashAttention) with vLLM 0.30+'s GDN view: 576/576"),
     )
 }
+
+# The presets of the original (vLLM 0.27.1) matrix, and those issue 13 added.
+BASE_PRESETS = ("qwen35-0.8b", "gdn-27b", "pure-attn-bs128", "control-k1")
+NEW_PRESETS = tuple(name for name in PRESETS if name not in BASE_PRESETS)
 
 
 def preset(name: str) -> Geometry:
@@ -129,6 +187,13 @@ class KVCaches:
     tensors: list  # list[torch.Tensor], in layer order (post-edit views)
     raw: list  # list[torch.Tensor], the vLLM-shaped tensors (pre-edit views of the same memory)
     layer_kinds: list[str] = field(default_factory=list)
+    # What vLLM hands the connector, per layer; None = ``raw`` (vLLM <= 0.29).
+    # Differs from ``raw`` only for gdn_view "0.30" GDN layers, whose ``raw``
+    # is the whole padded page so the harness can compare memory.
+    registered: list | None = None
+
+    def vllm_tensors(self) -> list:
+        return self.registered if self.registered is not None else self.raw
 
     def fa_layers(self) -> list[int]:
         return [i for i, kind in enumerate(self.layer_kinds) if kind == "fa"]
@@ -138,7 +203,7 @@ class KVCaches:
 
 
 def build_kv_caches(geo: Geometry, num_logical_blocks: int, *, fill: int | None = None, seed: int | None = None,
-                    device: str = "cpu") -> KVCaches:
+                    device: str = "cpu", pad_fill: int | None = None) -> KVCaches:
     """Allocate CPU tensors laid out as vLLM 0.27.1 registers them (HND on CPU).
 
     Caveat for callers that register through LMCache's worker adapter: its
@@ -153,6 +218,8 @@ def build_kv_caches(geo: Geometry, num_logical_blocks: int, *, fill: int | None 
     (a poison pattern for retrieve destinations).  Exactly one must be given.
     ``device`` places the tensors (``"cuda"`` for the CUDA round trip); the
     random bytes are drawn on CPU either way, so a seed gives the same bytes.
+    ``pad_fill`` (``gdn_view="0.30"`` with ``seed``): the byte the GDN page
+    padding past the state holds (the harness passes its poison byte).
     """
     import torch  # noqa: PLC0415 - only inside the target environment
 
@@ -160,7 +227,7 @@ def build_kv_caches(geo: Geometry, num_logical_blocks: int, *, fill: int | None 
         raise ValueError("give exactly one of fill= or seed=")
     dtype = getattr(torch, geo.dtype)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    tensors, raw = [], []
+    tensors, raw, registered = [], [], []
     for kind in geo.layer_kinds:
         if kind == "fa":
             shape = (num_logical_blocks * geo.k, geo.num_kv_heads, geo.kernel_page, 2 * geo.head_size)
@@ -176,12 +243,51 @@ def build_kv_caches(geo: Geometry, num_logical_blocks: int, *, fill: int | None 
             t = buf.view(dtype).view(shape)
             raw.append(t)
             tensors.append(t)
+            registered.append(t)
+        elif geo.gdn_view == "0.30":
+            page, content = geo.gdn_block_bytes, geo.gdn_content_bytes
+            t = buf.view(torch.int8).view(num_logical_blocks, 1, 1, page)
+            if gen is not None and pad_fill is not None:
+                # The padding is no state: vLLM never reads it.  A source whose
+                # padding holds the destination's poison byte makes the harness
+                # count only state bytes as restored (and any write of other
+                # bytes into the padding as misplaced).
+                buf.view(num_logical_blocks, page)[:, content:].fill_(pad_fill)
+            raw.append(t)
+            view = torch.as_strided(t, (num_logical_blocks, 1, 1, content), (page, content, content, 1),
+                                    t.storage_offset())
+            registered.append(view)
+            tensors.append(connector_mamba_edit(geo, view))
         else:
             t = buf.view(torch.int8).view(num_logical_blocks, 1, 1, geo.gdn_block_bytes)
             raw.append(t)
+            registered.append(t)
             # LMCache 0.5.3's _MambaUnifiedViewEdit (HND): (nb, 1, N, row // N).
             tensors.append(t.view(num_logical_blocks, 1, geo.tokens_per_block, -1))
-    return KVCaches(geo, num_logical_blocks, tensors, raw, list(geo.layer_kinds))
+    return KVCaches(geo, num_logical_blocks, tensors, raw, list(geo.layer_kinds), registered)
+
+
+def connector_mamba_edit(geo: Geometry, view, layout: str = "HND"):
+    """The installed LMCache connector's own GDN re-view of vLLM's tensor.
+
+    Runs ``_MambaUnifiedViewEdit.apply`` from ``lmcache.integration.vllm.
+    kv_cache_group_edits`` (a stub vLLM interface is installed when vLLM is
+    absent).  Without that module, 0.5.3's ``.view(nb, 1, N, -1)``.  Raises
+    what the real edit raises: that is the registration failing.
+    """
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    try:
+        from . import ports_edits  # noqa: PLC0415
+
+        ports_edits._ensure_vllm_interface()
+        import vllm.v1.kv_cache_interface as kci  # noqa: PLC0415
+        from lmcache.integration.vllm import kv_cache_group_edits as edits  # noqa: PLC0415
+    except ImportError:
+        return view.view(view.shape[0], 1, geo.tokens_per_block, -1)
+    spec = SimpleNamespace(kind=kci.KVCacheSpecKind.MAMBA, block_size=geo.tokens_per_block,
+                           page_size_bytes=geo.gdn_block_bytes, mamba_cache_mode="align")
+    return edits._MambaUnifiedViewEdit().apply(spec, view, {"kv_layout": layout})
 
 
 def block_bytes(caches: KVCaches, layer: int, logical_id: int):

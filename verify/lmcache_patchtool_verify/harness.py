@@ -106,7 +106,8 @@ class Cell:
 
 
 # ---------------------------------------------------------------------------
-# Matrices.  "fast": a few seconds in total; "full": the whole geometry matrix.
+# Matrices.  "fast": a few seconds in total; "full": the vLLM 0.27.1 geometry matrix;
+# "vllm030": the presets issue 13 added (vLLM 0.28-0.33); "wide": full + vllm030.
 # ---------------------------------------------------------------------------
 
 def matrix(name: str, path: str = "python") -> list[Cell]:
@@ -121,8 +122,10 @@ def matrix(name: str, path: str = "python") -> list[Cell]:
             Cell("pure-attn-bs128", 2, 5, 2),
             Cell("gdn-27b", 1, 2, 0),
         ]
-    elif name == "full":
-        for base in geometry.PRESETS:
+    elif name in ("full", "wide", "vllm030"):
+        bases = {"full": geometry.BASE_PRESETS, "vllm030": geometry.NEW_PRESETS,
+                 "wide": geometry.BASE_PRESETS + geometry.NEW_PRESETS}[name]
+        for base in bases:
             for dtype in ("", "@float16"):
                 heavy = base == "gdn-27b"
                 shapes = [(1, 5, 0), (1, 5, 2), (2, 5, 3), (2, 3, 0)]
@@ -132,7 +135,7 @@ def matrix(name: str, path: str = "python") -> list[Cell]:
                     cells.append(Cell(base + dtype, cb, nc, skip))
             cells.append(Cell(base, 1, 2, 0, ids="identity"))
     else:
-        raise ValueError(f"unknown matrix {name!r} (fast|full)")
+        raise ValueError(f"unknown matrix {name!r} (fast|full|vllm030|wide)")
     return [replace(c, path=path) for c in cells]
 
 
@@ -479,12 +482,19 @@ def run_cell(cell: Cell, opts: Options) -> dict:
     else:
         raise ValueError(f"unknown ids mode {cell.ids!r}")
 
+    if geo.gdn_view == "0.30":  # the page padding past the state is poison in both
+        dev_kw["pad_fill"] = POISON
     src = geometry.build_kv_caches(geo, nb, seed=cell.seed, **dev_kw)
+    dev_kw.pop("pad_fill", None)
     dst = geometry.build_kv_caches(geo, nb, fill=POISON, **dev_kw)
     src_before = [t.cpu() for t in src.raw] if on_cuda else [t.clone() for t in src.raw]
 
     full_fa_seg = len(fa_layers) * C * geo.num_kv_heads * 2 * geo.head_size * geo.itemsize
-    full_gdn_seg = len(gdn_layers) * C * (geo.gdn_block_bytes // N)
+    # GDN bytes per token in the object: the connector's re-view of one block
+    # (the padded page under vLLM <= 0.29; >= the state under 0.30+'s view).
+    gdn_token_bytes = (src.tensors[gdn_layers[0]][0].numel() * src.tensors[gdn_layers[0]].element_size() // N
+                       if gdn_layers else 0)
+    full_gdn_seg = len(gdn_layers) * C * gdn_token_bytes
     full_obj = full_fa_seg + full_gdn_seg
     sm = FakeStorageManager(cell.num_chunks * (full_obj + 2 * FakeStorageManager.GAP + 256) + 2 * FakeStorageManager.GAP,
                             opts.guards, pinned=tensor_device == "cuda")
@@ -826,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the JSON report on stdout")
     ap.add_argument("--out", help="also write the JSON report to this file")
-    ap.add_argument("--matrix", choices=["fast", "full"], help="run a predefined matrix of cells")
+    ap.add_argument("--matrix", choices=["fast", "full", "vllm030", "wide"], help="run a predefined matrix of cells")
     ap.add_argument("--cell", action="append", default=[], help="key=value,... (Cell fields); repeatable")
     ap.add_argument("--preset", help="geometry preset NAME[@dtype] for a single cell")
     ap.add_argument("--chunk-blocks", type=int, default=1, help="chunk size in logical blocks (C = n*N)")

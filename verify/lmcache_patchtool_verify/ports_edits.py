@@ -83,7 +83,7 @@ def _spec(kind, geo):
 
 
 def build_raw(geo, nb: int, *, layout: str = "HND", fill: int | None = None, seed: int | None = None,
-              device: str = "cpu"):
+              device: str = "cpu", pad_fill: int | None = None):
     """``geometry.build_kv_caches`` with the FA tensors in ``layout`` memory order.
 
     Returns a ``geometry.KVCaches`` whose ``raw`` are the vLLM-registered tensors
@@ -92,7 +92,7 @@ def build_raw(geo, nb: int, *, layout: str = "HND", fill: int | None = None, see
     """
     import torch  # noqa: PLC0415
 
-    caches = _BUILD(geo, nb, fill=fill, seed=seed, device=device)
+    caches = _BUILD(geo, nb, fill=fill, seed=seed, device=device, pad_fill=pad_fill)
     if layout == "HND":
         return caches
     if layout != "NHD":
@@ -108,6 +108,8 @@ def build_raw(geo, nb: int, *, layout: str = "HND", fill: int | None = None, see
         view = phys.permute(0, 2, 1, 3)  # logical (nb*k, H, P, 2D), strides of NHD
         caches.raw[i] = view
         caches.tensors[i] = view
+        if caches.registered is not None:
+            caches.registered[i] = view
     return caches
 
 
@@ -122,17 +124,18 @@ def apply_edits(caches, layout: str = "HND") -> dict:
 
     geo = caches.geometry
     names = [f"model.layers.{i}.attn" for i in range(len(caches.raw))]
+    vllm_tensors = caches.vllm_tensors()  # vLLM 0.30+ GDN: (nb, 1, 1, content), padded stride(0)
     groups = []
     for kind_name, lmkind in (("gdn", "MAMBA"), ("fa", "FULL_ATTENTION")):
         layers = [n for n, k in zip(names, caches.layer_kinds) if k == kind_name]
         if layers:
             groups.append(SimpleNamespace(kv_cache_spec=_spec(lmkind, geo), layer_names=layers))
     config = SimpleNamespace(kv_cache_groups=groups, has_mamba_layers="gdn" in caches.layer_kinds)
-    edited = edits.apply_kv_cache_group_edits(config, dict(zip(names, caches.raw)), {"kv_layout": layout})
+    edited = edits.apply_kv_cache_group_edits(config, dict(zip(names, vllm_tensors)), {"kv_layout": layout})
     applied = []
     for i, name in enumerate(names):
         t = edited[name]
-        applied.append({"layer": i, "kind": caches.layer_kinds[i], "edited": t is not caches.raw[i],
+        applied.append({"layer": i, "kind": caches.layer_kinds[i], "edited": t is not vllm_tensors[i],
                         "shape": list(t.shape), "stride": list(t.stride())})
         caches.tensors[i] = t
     return {"vllm_interface": which, "layout": layout, "has_mamba_layers": config.has_mamba_layers,

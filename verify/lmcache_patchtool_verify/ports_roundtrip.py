@@ -28,8 +28,9 @@ def _install_layout(layout: str, edits: bool) -> None:
 
     orig_build = geometry.build_kv_caches
 
-    def build(geo, nb, *, fill=None, seed=None, device="cpu"):
-        caches = ports_edits.build_raw(geo, nb, layout=layout, fill=fill, seed=seed, device=device)
+    def build(geo, nb, *, fill=None, seed=None, device="cpu", pad_fill=None):
+        caches = ports_edits.build_raw(geo, nb, layout=layout, fill=fill, seed=seed, device=device,
+                                       pad_fill=pad_fill)
         if edits:
             EDIT_REPORTS.append(ports_edits.apply_edits(caches, layout))
         return caches
