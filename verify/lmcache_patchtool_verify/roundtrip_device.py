@@ -46,6 +46,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 VERIFY = REPO / "verify"
 HARNESS = ["-m", "lmcache_patchtool_verify.ports_roundtrip"]  # verify/ is on PYTHONPATH (env())
+# vLLM 0.30+ registers GDN state as (nb, 1, 1, content) with a padded stride(0).
+# On CPU every LMCache version refuses it (docs/ports.md); whether the CUDA
+# kernels take it is the open question, so it is recorded per version and
+# layout but does not decide "verified".
+GDN_VIEW_PROBE = ["preset=qwen35-bs576-v030,chunk_blocks=1,num_chunks=3"]
+
 MATRIX = {  # small: every sub-paged preset, a batched retrieve with a skip, the k=1 control
     "tiny": ["preset=qwen35-0.8b,chunk_blocks=1,num_chunks=3",
              "preset=control-k1,chunk_blocks=1,num_chunks=2"],
@@ -53,7 +59,9 @@ MATRIX = {  # small: every sub-paged preset, a batched retrieve with a skip, the
               "preset=qwen35-0.8b,chunk_blocks=2,num_chunks=5,skip_blocks=3",
               "preset=control-k1,chunk_blocks=2,num_chunks=5,skip_blocks=3",
               "preset=pure-attn-bs128,chunk_blocks=2,num_chunks=5,skip_blocks=2",
-              "preset=gdn-27b,chunk_blocks=1,num_chunks=2"],
+              "preset=gdn-27b,chunk_blocks=1,num_chunks=2",
+              # vLLM 0.33's align-mode block on Hopper (FlashInfer GDN prefill): 576/64, k=9
+              "preset=qwen35-bs576,chunk_blocks=1,num_chunks=3"],
 }
 TIMING = "chunk_blocks=2,num_chunks=4"
 PROBE = r"""
@@ -268,6 +276,13 @@ class Runner:
                         checks[f"{variant}/direct/NHD"] = self.judge(
                             self.harness(v, variant, site, "direct", "NHD", cells), variant, v)
             rec["checks"] = checks
+            if patched is not None:
+                rec["vllm030_gdn_view"] = {
+                    f"{variant}/{native}/{layout}": self.judge(
+                        self.harness(v, variant, site, native, layout, GDN_VIEW_PROBE, tag="gdn030"),
+                        variant, v)
+                    for layout in self.args.layouts.split(",")
+                    for variant, site in (("pristine", pristine), ("patched", patched))}
             if patched is not None and self.args.reps:
                 rec["timing"] = self.timing(v, pristine, patched)
             rec["ok"] = bool(checks) and all(c["ok"] for c in checks.values())
