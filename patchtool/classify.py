@@ -13,6 +13,7 @@ from enum import Enum
 from pathlib import Path
 
 from . import __version__
+from .distinfo import installed_version
 from .exitcodes import ExitCode
 from .manifest import STATE_FIXED_UPSTREAM, FileHash, PatchSetDir
 from .errors import Refusal
@@ -106,8 +107,11 @@ class Status:
     # an install is patched at build time; apply/revert do not act on it.
     wheel_build: dict | None = None
     # Things the operator must know about this install: the manifest's notes
-    # for the version, and the disk-tier warning once it is patched.
+    # for the version, the disk-tier warning once it is patched, and what the
+    # installed vLLM means for it (patchtool/vllm_compat.py).
     notes: list[str] = field(default_factory=list)
+    # The vLLM found in the same site dirs (its dist-info METADATA; never imported).
+    vllm_version: str | None = None
 
 
 # Why: objects in a persistent L2 tier carry no layout fingerprint. Those
@@ -151,6 +155,17 @@ def wheel_build_info(target: Target) -> dict | None:
 
 def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = False,
              set_name: str | None = None, reader: Reader | None = None) -> Status:
+    from .vllm_compat import vllm_notes
+
+    st = _classify(discovery, pset, deep=deep, set_name=set_name, reader=reader)
+    if discovery.target is not None:
+        st.vllm_version = installed_version(discovery.site_dirs, "vllm")
+        st.notes += vllm_notes(st.vllm_version, st.vllm_versions if st.patch_set else None)
+    return st
+
+
+def _classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool,
+              set_name: str | None, reader: Reader | None) -> Status:
     reader = reader or Reader()
     t = discovery.target
     st = Status(NOT_INSTALLED, "lmcache is not installed", __version__, discovery.python,

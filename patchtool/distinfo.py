@@ -100,6 +100,28 @@ def read_metadata(dist_info: Path) -> Metadata:
     return parse_metadata(_read_bytes(path, "missing: the distribution is incomplete"), path)
 
 
+def installed_version(site_dirs: list[str], project: str) -> str | None:
+    """The version in the METADATA of the first ``<project>-*.dist-info`` in
+    ``site_dirs`` (searched in order, as lmcache's are), or None when there is
+    none.  For a neighbour of lmcache (vLLM) that is only reported, never
+    acted on, so an unreadable METADATA also gives None instead of a refusal."""
+    import os
+
+    want = canonical_name(project)
+    for d in site_dirs:
+        try:
+            entries = sorted(e.name for e in os.scandir(d))
+        except OSError:
+            continue
+        for name in entries:
+            if name.endswith(".dist-info") and project_of(name) == want:
+                try:
+                    return read_metadata(Path(d) / name).version
+                except Refusal:
+                    continue
+    return None
+
+
 def read_record(dist_info: Path) -> Record:
     """The RECORD of an installed ``*.dist-info`` directory."""
     return Record.read(Path(dist_info) / RECORD)

@@ -75,6 +75,8 @@ def _status_header(console, st) -> None:
     if st.lmcache_version:
         console.print(f"lmcache     : {st.lmcache_version} (installer: {st.installer or '?'}, "
                       f"source: {st.install_source})")
+    if st.vllm_version:
+        console.print(f"vllm        : {st.vllm_version} (from its dist-info, not imported)")
     if st.patch_set:
         vllm = ", ".join(st.vllm_versions) or "-"
         console.print(f"patch set   : {st.patch_set} revision {st.revision} (vLLM verified: {vllm})")

@@ -1,0 +1,148 @@
+"""What the vLLM installed next to lmcache means for it (issue 13, item 6):
+``status`` reads vLLM's version from its ``vllm-*.dist-info/METADATA`` in the
+site dirs it searched for lmcache (never imports vLLM), reports it
+(``vllm_version``), and notes a vLLM >= 0.33 (torch 2.14 pin: LMCache's native
+extensions unchecked) and a vLLM the patch set's manifest does not list."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _cli import cli
+
+from . import synthwheel as sw
+from .test_no_heavy_imports import attempted, guard, guarded_venv  # noqa: F401 (fixtures)
+
+TORCH_NEEDLE = "not checked under torch 2.14"
+
+
+def fake_vllm(site: Path, version: str, metadata: str | None = None) -> Path:
+    """A ``vllm-<version>.dist-info`` holding only METADATA, plus a ``vllm``
+    package that raises if anything imports it."""
+    d = site / f"vllm-{version}.dist-info"
+    d.mkdir()
+    (d / "METADATA").write_text(metadata if metadata is not None else
+                                f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n\n"
+                                "Version: 9.9 in the body is not a header\n")
+    pkg = site / "vllm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise RuntimeError('patchtool imported vllm')\n")
+    return d
+
+
+def status(site: Path, patch_root: Path, *extra: str) -> dict:
+    r = cli("status", "--site-packages", str(site), "--json", *extra, patches=patch_root)
+    assert r.rc == 0, r.err
+    return r.json["result"]
+
+
+def torch_notes(res: dict) -> list[str]:
+    return [n for n in res["notes"] if TORCH_NEEDLE in n]
+
+
+def unverified_notes(res: dict) -> list[str]:
+    return [n for n in res["notes"] if n.startswith("not verified with vLLM")]
+
+
+def test_vllm_033_gets_the_torch_214_note(site, patch_root):
+    fake_vllm(site, "0.33.0")
+    res = status(site, patch_root)
+    assert res["state"] == "pristine"
+    assert res["vllm_version"] == "0.33.0"
+    [note] = torch_notes(res)
+    assert "vLLM 0.33.0" in note and "torch 2.14" in note
+    for needle in ("lmcache_native", "cuda_ops", "c_ops", "patchtool verify --restore gpu",
+                   "verify/gpu_roundtrip_device.sh"):
+        assert needle in note, needle
+    # 0.33.0 is not in the synthetic manifest's vllm_versions (0.27.1) either
+    assert unverified_notes(res) == ["not verified with vLLM 0.33.0; verified: 0.27.1"]
+
+
+def test_vllm_0271_gets_no_vllm_note(site, patch_root):
+    fake_vllm(site, "0.27.1")
+    res = status(site, patch_root)
+    assert res["vllm_version"] == "0.27.1"
+    assert res["vllm_versions"] == ["0.27.1"]
+    assert torch_notes(res) == [] and unverified_notes(res) == []
+
+
+def test_vllm_0280_is_not_verified_but_has_no_torch_note(site, patch_root):
+    fake_vllm(site, "0.28.0")
+    res = status(site, patch_root)
+    assert res["vllm_version"] == "0.28.0"
+    assert unverified_notes(res) == ["not verified with vLLM 0.28.0; verified: 0.27.1"]
+    assert torch_notes(res) == []
+
+
+def test_no_vllm_no_note_field_still_there(site, patch_root):
+    res = status(site, patch_root)
+    assert "vllm_version" in res and res["vllm_version"] is None
+    assert torch_notes(res) == [] and unverified_notes(res) == []
+
+
+def test_unreadable_vllm_metadata_is_not_a_refusal(site, patch_root):
+    fake_vllm(site, "0.33.0", metadata="Name: vllm\n")  # no Version header
+    res = status(site, patch_root)
+    assert res["vllm_version"] is None and torch_notes(res) == []
+
+
+def test_human_status_and_verify_show_it(site, patch_root):
+    fake_vllm(site, "0.33.0")
+    r = cli("status", "--site-packages", str(site), patches=patch_root)
+    assert r.rc == 0, r.err
+    assert "vllm        : 0.33.0" in r.out
+    assert TORCH_NEEDLE in " ".join(r.out.split())
+    # verify shows the same status (exit 5: pristine), human and JSON
+    r = cli("verify", "--site-packages", str(site), patches=patch_root)
+    assert r.rc == 5 and "vllm        : 0.33.0" in r.out
+    r = cli("verify", "--site-packages", str(site), "--json", patches=patch_root)
+    st = r.json["result"]["status"]
+    assert st["vllm_version"] == "0.33.0" and torch_notes(st)
+
+
+def test_patched_install_keeps_the_vllm_notes(site, patch_root):
+    fake_vllm(site, "0.33.0")
+    assert cli("apply", "--site-packages", str(site), patches=patch_root).rc == 0
+    res = status(site, patch_root)
+    assert res["state"] == "patched" and torch_notes(res) and unverified_notes(res)
+    assert cli("verify", "--site-packages", str(site), patches=patch_root).rc == 0
+
+
+def test_status_with_vllm_imports_nothing_heavy(site, patch_root, guard):  # noqa: F811
+    fake_vllm(site, "0.33.0")
+    _, env = guard
+    for args in (("status", "--json"), ("status",), ("verify",)):
+        r = cli(*args, "--site-packages", str(site), patches=patch_root, env=env)
+        assert r.rc in (0, 5), (args, r.err)
+    assert attempted(env) == []
+
+
+def test_status_python_reads_vllm_in_the_target_venv(guarded_venv, patch_root, guard):  # noqa: F811
+    _, env = guard
+    fake_vllm(sw.venv_site(guarded_venv.parent.parent), "0.33.0")
+    r = cli("status", "--python", str(guarded_venv), "--json", patches=patch_root, env=env)
+    assert r.rc == 0, r.err
+    assert r.json["result"]["vllm_version"] == "0.33.0" and torch_notes(r.json["result"])
+    assert attempted(env) == []
+
+
+@pytest.mark.parametrize("version, verified, torch, unverified", [
+    ("0.33.0", ["0.27.1"], True, True),
+    ("0.33.0rc1+cu129", ["0.33.0rc1"], True, False),  # the local part is ignored
+    ("0.34.2", ["0.34.2"], True, False),
+    ("1.0.0", [], True, True),
+    ("0.32.9", ["0.27.1", "0.32.9"], False, False),
+    ("0.27.1+cu128", ["0.27.1"], False, False),
+    ("0.28.0", None, False, False),  # no patch set: nothing to be verified against
+    ("0.33.0", None, True, False),
+    ("garbage", ["0.27.1"], False, True),
+])
+def test_vllm_notes_pure(version, verified, torch, unverified):
+    from patchtool.vllm_compat import vllm_notes
+
+    notes = vllm_notes(version, verified)
+    assert any(TORCH_NEEDLE in n for n in notes) is torch
+    assert any(n.startswith(f"not verified with vLLM {version}; verified: ") for n in notes) \
+        is unverified
+    assert vllm_notes(None, ["0.27.1"]) == []
