@@ -239,6 +239,10 @@ def _restore_gpu(ctx: CheckContext) -> CheckResult:
         return bad
     # gpu_gate.py: 0 pass, 20 fail, 21 inconclusive, 22 aborted.
     detail = f"gpu gate exit {run.exit_code} ({run.seconds:.0f} s)"
+    reasons = ((run.report or {}).get("verdict") or {}).get("reasons") or []
+    if run.exit_code != 0 and reasons:
+        # e.g. the preflight's "aborted in PREFLIGHT: lmcache.lmcache_native does not load ..."
+        detail += ": " + " ".join(str(reasons[0]).split())[:400]
     if run.exit_code == 0:
         return CheckResult("restore-gpu", True, detail, data)
     if run.exit_code == 20:

@@ -313,6 +313,17 @@ class GateRun:
                             if c.control_venv else None,
                             "model_config_sha256": gsys.sha256_path(model / "config.json"),
                             "model_is_tiny": model_is_tiny(c.model), "hostname": os.uname().nodename}
+        # LMCache's compiled extensions under the deployment's torch (issue 13, item 6:
+        # vLLM >= 0.33 pins torch 2.14): fail here, before any server starts.
+        native = gsys.probe_native_extensions(py)
+        self.environment["native_extensions"] = native
+        problem, native_warnings = gsys.native_extension_verdict(native)
+        self.warnings += native_warnings
+        if problem:
+            raise GateAbort(problem)
+        self.note("PREFLIGHT", "native extensions: " + (", ".join(
+            f"{k} {'loaded' if m.get('loaded') else 'NOT loaded'}"
+            for k, m in (native.get("modules") or {}).items()) or "not checked"))
         if c.nvidia_smi == "none":
             self.warnings.append("--nvidia-smi none: GPU memory was NOT verified free between restarts")
         else:

@@ -146,3 +146,37 @@ def test_vllm_notes_pure(version, verified, torch, unverified):
     assert any(n.startswith(f"not verified with vLLM {version}; verified: ") for n in notes) \
         is unverified
     assert vllm_notes(None, ["0.27.1"]) == []
+
+
+def test_verify_restore_gpu_reports_the_native_preflight_abort(tmp_path, site, patch_root):
+    """``patchtool verify --restore gpu`` runs verify/gpu_gate.py, whose preflight
+    loads LMCache's native extensions under the deployment's torch (here a fake
+    CUDA torch 2.14.0; the synthetic lmcache has no extension at all): the check
+    fails as an error, with the gate's one-line reason in its detail."""
+    import json
+    import stat
+    import sys
+
+    fake = tmp_path / "fake"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text(
+        "__version__ = '2.14.0'\nclass version:\n    cuda = '13.0'\n")
+    py = tmp_path / "python"
+    py.write_text(f'#!/bin/sh\nPYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{fake}" '
+                  f'exec {sys.executable} "$@"\n')
+    py.chmod(py.stat().st_mode | stat.S_IXUSR)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["Fake"]}))
+    assert cli("apply", "--site-packages", str(site), patches=patch_root).rc == 0
+    r = cli("verify", "--site-packages", str(site), "--python", str(py), "--restore", "gpu",
+            "--json", "--", "--model", str(model), "--tokenizer", "byte", "--lengths", "1024",
+            "--block-size", "128", "--page-tokens", "32", "--nvidia-smi", "none",
+            "--work-dir", str(tmp_path / "work"), patches=patch_root)
+    check = r.json["result"]["checks"][-1]
+    assert check["name"] == "restore-gpu" and check["error"], check
+    assert check["data"]["exit_code"] == 22
+    assert "aborted in PREFLIGHT: no native extension (c_ops / lmcache_native)" in check["detail"]
+    native = check["data"]["report"]["environment"]["native_extensions"]
+    assert native["torch"] == "2.14.0" and native["lmcache_root"] == str(site / "lmcache")
+    assert r.rc == 14 and r.json["result"]["verdict"] == "restore check error: restore-gpu"

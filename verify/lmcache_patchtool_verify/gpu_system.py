@@ -208,6 +208,128 @@ def probe_environment(python: str, *, with_torch: bool = True, timeout: float = 
         return {"error": f"unparsable probe output: {res.stdout[-300:]!r}"}
 
 
+# ---------------------------------------------------------------------------
+# LMCache's native extensions under the deployment's torch (issue 13, item 6)
+# ---------------------------------------------------------------------------
+
+# The compiled extensions LMCache's transfer path can use: ``c_ops`` on 0.5.3,
+# ``lmcache_native`` (required) and ``cuda_ops`` (optional: LMCache falls back
+# to the torch baseline without it) on 0.5.4+.
+NATIVE_EXTENSIONS = ("c_ops", "lmcache_native", "cuda_ops")
+TRANSFER_MODULE = "v1/multiprocess/modules/lmcache_driven_transfer.py"
+
+# Runs in the target interpreter: torch first (the extensions link libtorch),
+# then each extension loaded from its file (lmcache/__init__ is not run).  One
+# JSON line per attempt before it is made, so a crash names its module.
+_NATIVE_PROBE = r"""
+import importlib.machinery as im, importlib.util as iu, json, os, re, sys
+def say(obj):
+    print(json.dumps(obj), flush=True)
+out = {"python": sys.executable, "modules": {}}
+try:
+    import torch
+    out["torch"] = torch.__version__
+    out["torch_cuda"] = torch.version.cuda
+except BaseException as exc:
+    out["torch_error"] = f"{type(exc).__name__}: {exc}"[:600]
+spec = iu.find_spec("lmcache")
+pkg = list(spec.submodule_search_locations)[0] if spec and spec.submodule_search_locations else None
+out["lmcache_root"] = pkg
+if pkg:
+    try:
+        with open(os.path.join(pkg, sys.argv[2]), encoding="utf-8") as fh:
+            src = fh.read()
+        out["required"] = sorted(set(re.findall(r"^\s*import lmcache\.(\w+)", src, re.M))
+                                 & set(json.loads(sys.argv[1])))
+    except OSError:
+        out["required"] = None
+    say({"header": {k: v for k, v in out.items() if k != "modules"}})
+    for stem in json.loads(sys.argv[1]):
+        path = next((os.path.join(pkg, stem + s) for s in im.EXTENSION_SUFFIXES + im.SOURCE_SUFFIXES
+                     if os.path.isfile(os.path.join(pkg, stem + s))), None)
+        if path is None:
+            continue
+        say({"trying": stem, "file": path})
+        try:
+            mspec = iu.spec_from_file_location("lmcache." + stem, path)
+            mod = iu.module_from_spec(mspec)
+            mspec.loader.exec_module(mod)
+            out["modules"][stem] = {"file": path, "loaded": True, "error": None}
+        except BaseException as exc:
+            out["modules"][stem] = {"file": path, "loaded": False,
+                                    "error": " ".join(f"{type(exc).__name__}: {exc}".split())[:600]}
+say(out)
+"""
+
+
+def probe_native_extensions(python: str, timeout: float = 300.0) -> dict[str, Any]:
+    """Which of LMCache's compiled extensions load in ``python`` under its torch:
+    ``{"python", "torch" | "torch_error", "lmcache_root", "required",
+    "modules": {stem: {"file", "loaded", "error"}}}``, or ``{"error"}`` when the
+    probe itself could not run.  An interpreter that dies loading a module
+    (an ABI mismatch can crash it) is recorded against that module."""
+    args = [python, "-c", _NATIVE_PROBE, json.dumps(list(NATIVE_EXTENSIONS)), TRANSFER_MODULE]
+    try:
+        res = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"python": python, "error": f"{python}: {exc}"}
+    lines = []
+    for line in res.stdout.splitlines():
+        with contextlib.suppress(ValueError):
+            lines.append(json.loads(line))
+    final = next((d for d in reversed(lines) if isinstance(d, dict) and "modules" in d), None)
+    if res.returncode == 0 and final is not None:
+        return final
+    tried = [d for d in lines if isinstance(d, dict) and "trying" in d]
+    last_err = " ".join((res.stderr.strip().splitlines() or ["no output"])[-1].split())[:300]
+    if not tried:
+        return {"python": python, "error": f"{python} exited {res.returncode} before loading any "
+                                           f"extension: {last_err}"}
+    header = next((d["header"] for d in lines if isinstance(d, dict) and "header" in d), {})
+    t = tried[-1]
+    return {**header, "python": python, "modules": {t["trying"]: {
+        "file": t["file"], "loaded": False,
+        "error": f"the interpreter died loading it (exit {res.returncode}): {last_err}"}}}
+
+
+def native_extension_verdict(probe: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """(problem, warnings) for :func:`probe_native_extensions`'s answer.
+
+    The problem is one line: the extension LMCache's transfer imports
+    (``c_ops`` on 0.5.3, ``lmcache_native`` on 0.5.4+) does not load under the
+    deployment's CUDA torch, or lmcache is there and torch is not.  Not judged
+    (a warning): no lmcache found by that interpreter (the servers may come
+    from --vllm-cmd/--lmcache-cmd), a CPU torch (CUDA extensions cannot load on
+    it; the CPU tests drive the gate that way), and the optional ``cuda_ops``
+    (LMCache falls back to the torch baseline without it)."""
+    py = probe.get("python")
+    if probe.get("error"):
+        return f"native extension preflight failed: {probe['error']}", []
+    if not probe.get("lmcache_root"):
+        return None, [f"native extension preflight skipped: {py} finds no lmcache"]
+    if probe.get("torch_error"):
+        return f"lmcache is installed but torch does not import ({py}): {probe['torch_error']}", []
+    mods = probe.get("modules") or {}
+    required = probe.get("required") or [m for m in ("lmcache_native", "c_ops") if m in mods][:1]
+    where = f"{py}, torch {probe.get('torch')}"
+    failed = {stem: m for stem, m in mods.items() if not m.get("loaded")}
+    if not probe.get("torch_cuda"):
+        if failed:
+            return None, [f"native extension preflight not judged: CPU torch ({where}); "
+                          f"{', '.join(sorted(failed))} did not load"]
+        return None, []
+    if not required:
+        return f"no native extension (c_ops / lmcache_native) in {probe['lmcache_root']} ({where})", []
+    for stem in required:
+        if stem not in mods:
+            return f"lmcache.{stem}, which LMCache's transfer imports, is missing ({where})", []
+        if stem in failed:
+            return (f"lmcache.{stem} does not load under the deployment's torch ({where}): "
+                    f"{failed[stem].get('error')}"), []
+    return None, [f"lmcache.{stem} does not load ({where}): {m.get('error')}; LMCache uses its "
+                  "torch fallback for it" for stem, m in sorted(failed.items())]
+
+
 def sha256_path(path: str | os.PathLike) -> str | None:
     try:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
