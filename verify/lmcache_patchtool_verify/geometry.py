@@ -300,19 +300,161 @@ def block_bytes(caches: KVCaches, layer: int, logical_id: int):
     return flat[logical_id * size:(logical_id + 1) * size]
 
 
-def engine_group_infos(geo: Geometry) -> list[dict[str, Any]]:
+# How the connector sets the cross-chunk window of a group (``sw_size_tokens``),
+# per LMCache generation.  "connector": ask the installed LMCache's own
+# ``lmcache.integration.vllm.kv_cache_groups`` helpers (feature-detected, see
+# :func:`connector_group_fields`); "none": no window on any group (0.5.3's
+# connector: only sliding-window attention gets one); "end": align-mode Mamba
+# gets ``sw_size_tokens = N`` and ``recurrent_state = True`` where the field
+# exists (0.5.4's ``_is_mamba_align_spec``, 0.5.5+'s ``_is_cachable_mamba_spec``).
+WINDOW_RULES = ("connector", "none", "end")
+
+
+def _fake_vllm_groups(geo: Geometry) -> tuple[list, dict[str, int]]:
+    """vLLM ``KVCacheGroupSpec``-like objects for ``geo`` (GDN: align-mode Mamba).
+
+    The connector's helpers recognise specs by class name in the MRO
+    (``MambaSpec``, ``SlidingWindowSpec``, ``AttentionSpec``) and read
+    ``block_size``, ``mamba_cache_mode`` and ``sliding_window``, so plain
+    classes with those names are what vLLM 0.27.1's specs look like to them.
+    """
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    class AttentionSpec:  # noqa: D401 - name-matched by the connector
+        pass
+
+    class FullAttentionSpec(AttentionSpec):
+        def __init__(self, block_size: int) -> None:
+            self.block_size = block_size
+
+    class MambaSpec:
+        def __init__(self, block_size: int) -> None:
+            self.block_size = block_size
+            self.mamba_cache_mode = "align"
+
+    kinds = geo.layer_kinds
+    names = {i: f"model.layers.{i}.{'linear_attn' if k == 'gdn' else 'self_attn'}" for i, k in enumerate(kinds)}
+    groups = []
+    for kind in (["gdn", "fa"] if geo.gdn_first else ["fa", "gdn"]):
+        layers = [i for i, k in enumerate(kinds) if k == kind]
+        if layers:
+            spec = MambaSpec(geo.tokens_per_block) if kind == "gdn" else FullAttentionSpec(geo.tokens_per_block)
+            groups.append(SimpleNamespace(kv_cache_spec=spec, layer_names=[names[i] for i in layers]))
+    return groups, {name: i for i, name in names.items()}
+
+
+def engine_info_fields() -> tuple[str, ...] | None:
+    """The fields of the installed ``EngineGroupInfo`` (None: LMCache not importable)."""
+    try:
+        from lmcache.v1.multiprocess.group_view import EngineGroupInfo  # noqa: PLC0415
+    except ImportError:
+        return None
+    fields = getattr(EngineGroupInfo, "__struct_fields__", None)  # a msgspec.Struct
+    if fields is None:
+        import dataclasses  # noqa: PLC0415
+
+        fields = tuple(f.name for f in dataclasses.fields(EngineGroupInfo))
+    return tuple(fields)
+
+
+def connector_group_fields(geo: Geometry, rule: str = "connector") -> dict[str, dict[str, Any]]:
+    """Per kind (``"gdn"``, ``"fa"``): the window fields the connector sets.
+
+    ``rule="connector"`` runs the installed LMCache's own
+    ``_resolve_per_layer_sw_sizes`` / ``_merge_layer_sw_sizes`` (and
+    ``_resolve_per_layer_recurrent`` / ``_merge_layer_recurrent`` where they
+    exist, 0.5.5+) on vLLM-like specs: 0.5.3's helper gives the GDN group no
+    window, 0.5.4+'s gives it ``sw_size_tokens = N``.  Fields the installed
+    ``EngineGroupInfo`` lacks are left out.  Without LMCache (the CLI) the
+    result is ``{}`` per kind, plus ``"source"``.
+    """
+    if rule not in WINDOW_RULES:
+        raise ValueError(f"window rule {rule!r}: one of {', '.join(WINDOW_RULES)}")
+    fields = engine_info_fields()
+    kinds = [k for k in ("gdn", "fa") if k in geo.layer_kinds]
+    out: dict[str, dict[str, Any]] = {k: {} for k in kinds}
+    if rule == "none":
+        for k in kinds:
+            if fields is None or "sw_size_tokens" in fields:
+                out[k]["sw_size_tokens"] = -1
+        return out
+    if rule == "end":
+        for k in kinds:
+            if fields is None or "sw_size_tokens" in fields:
+                out[k]["sw_size_tokens"] = geo.tokens_per_block if k == "gdn" else -1
+            if fields is not None and "recurrent_state" in fields:
+                out[k]["recurrent_state"] = k == "gdn"
+        return out
+    if fields is None:
+        raise ImportError("window rule 'connector' needs LMCache importable (run inside the target env)")
+    from lmcache.integration.vllm import kv_cache_groups as kcg  # noqa: PLC0415
+
+    groups, layer_to_idx = _fake_vllm_groups(geo)
+    nl = len(geo.layer_kinds)
+    sw = kcg._resolve_per_layer_sw_sizes(groups, layer_to_idx, nl) \
+        if hasattr(kcg, "_resolve_per_layer_sw_sizes") else None
+    rec = kcg._resolve_per_layer_recurrent(groups, layer_to_idx, nl) \
+        if hasattr(kcg, "_resolve_per_layer_recurrent") else None
+    for k in kinds:
+        idx = [i for i, x in enumerate(geo.layer_kinds) if x == k]
+        if sw is not None and "sw_size_tokens" in fields:
+            out[k]["sw_size_tokens"] = kcg._merge_layer_sw_sizes(sw, idx)
+        if rec is not None and "recurrent_state" in fields:
+            out[k]["recurrent_state"] = kcg._merge_layer_recurrent(rec, idx)
+    return out
+
+
+def engine_group_infos(geo: Geometry, rule: str = "connector") -> list[dict[str, Any]]:
     """EngineGroupInfo fields, in kernel-group order (sorted by first layer).
 
     GDN layers form engine group 0 when present, FA layers the next one; both
     declare ``tokens_per_block = N`` exactly as ``create_engine_group_infos_from_vllm``
-    does from vLLM's specs.
+    does from vLLM's specs.  The window fields (``sw_size_tokens``, and
+    ``recurrent_state`` where the installed ``EngineGroupInfo`` has it) are
+    what the installed connector sets (:func:`connector_group_fields`); with
+    LMCache not importable (the CLI) ``rule="connector"`` leaves them out.
     """
+    if rule == "connector" and engine_info_fields() is None:
+        extra: dict[str, dict[str, Any]] = {"gdn": {}, "fa": {}}
+    else:
+        extra = connector_group_fields(geo, rule)
     infos: list[dict[str, Any]] = []
     kinds = geo.layer_kinds
     order = ["gdn", "fa"] if geo.gdn_first else ["fa", "gdn"]
     for kind in order:
         layers = tuple(i for i, k in enumerate(kinds) if k == kind)
         if layers:
-            infos.append({"engine_group_id": len(infos), "layer_indices": layers,
-                          "tokens_per_block": geo.tokens_per_block, "kind": kind})
+            info = {"engine_group_id": len(infos), "layer_indices": layers,
+                    "tokens_per_block": geo.tokens_per_block, "kind": kind}
+            info.update(extra.get(kind, {}))
+            infos.append(info)
     return infos
+
+
+def make_engine_group_infos(infos: list[dict[str, Any]]) -> list:
+    """The installed ``EngineGroupInfo`` objects for :func:`engine_group_infos` dicts."""
+    from lmcache.v1.multiprocess.group_view import EngineGroupInfo  # noqa: PLC0415
+
+    fields = set(engine_info_fields() or ())
+    return [EngineGroupInfo(**{k: (tuple(v) if k == "layer_indices" else v) for k, v in i.items() if k in fields})
+            for i in infos]
+
+
+def kept_blocks_per_chunk(info: dict[str, Any], chunk_blocks: int) -> int:
+    """Blocks of one chunk the server stores and restores for a group.
+
+    The server keeps the last ``min(C, sw_size_tokens)`` tokens of each chunk
+    for a windowed group (``downsample_and_stage_block_ids``); ``-1`` or a
+    window of at least the chunk keeps every block.
+    """
+    sw = info.get("sw_size_tokens", -1)
+    n = info["tokens_per_block"]
+    if sw is None or sw < 0 or sw >= chunk_blocks * n:
+        return chunk_blocks
+    return max(1, sw // n)
+
+
+def kept_positions(info: dict[str, Any], chunk_blocks: int, positions) -> list[int]:
+    """Which of ``positions`` (block positions in the request) the server stores."""
+    keep = kept_blocks_per_chunk(info, chunk_blocks)
+    return [p for p in positions if p % chunk_blocks >= chunk_blocks - keep]

@@ -371,6 +371,10 @@ class Options:
     dump_dir: str | None = None
     inject: str | None = None  # guard self-test: meta-write | used-size | address-skew
     device: str = "cpu"  # cpu | cuda (the real native path, harness_cuda.py)
+    # EngineGroupInfo window fields: "connector" (the installed connector's own rule;
+    # 0.5.4+: GDN sw_size_tokens = N, only the chunk-end GDN slot is stored), "none"
+    # (no window, the pre-issue-11 harness), "end" (0.5.4+'s rule forced).
+    window_rule: str = "connector"
 
 
 def _inject_fault(kind: str | None):
@@ -442,7 +446,6 @@ def run_cell(cell: Cell, opts: Options) -> dict:
     import torch  # noqa: PLC0415
     from lmcache.utils import EngineType  # noqa: PLC0415
     from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey  # noqa: PLC0415
-    from lmcache.v1.multiprocess.group_view import EngineGroupInfo  # noqa: PLC0415
     from lmcache.v1.multiprocess.modules.lmcache_driven_transfer import (  # noqa: PLC0415
         LMCacheDrivenTransferModule,
     )
@@ -494,9 +497,19 @@ def run_cell(cell: Cell, opts: Options) -> dict:
     # (the padded page under vLLM <= 0.29; >= the state under 0.30+'s view).
     gdn_token_bytes = (src.tensors[gdn_layers[0]][0].numel() * src.tensors[gdn_layers[0]].element_size() // N
                        if gdn_layers else 0)
-    full_gdn_seg = len(gdn_layers) * C * gdn_token_bytes
+    # The connector's EngineGroupInfo window fields (0.5.4+: GDN sw_size_tokens = N).
+    # A windowed group keeps only the last min(C, window) tokens of each chunk in
+    # the object (``downsample_and_stage_block_ids``): for align-mode Mamba, the
+    # chunk-end GDN slot.  "full" below is what the server is meant to keep.
+    info_dicts = geometry.engine_group_infos(geo, opts.window_rule)
+    info_of = {i["kind"]: i for i in info_dicts}
+    keep_blocks = {kind: geometry.kept_blocks_per_chunk(info_of[kind], cell.chunk_blocks) for kind in present}
+    full_gdn_seg = len(gdn_layers) * keep_blocks.get("gdn", cell.chunk_blocks) * N * gdn_token_bytes
     full_obj = full_fa_seg + full_gdn_seg
-    sm = FakeStorageManager(cell.num_chunks * (full_obj + 2 * FakeStorageManager.GAP + 256) + 2 * FakeStorageManager.GAP,
+    # The pool fits unwindowed objects too (LMCache's CPU cache context sizes the
+    # object's GDN segment for the whole chunk; CUDA's for the window only).
+    pool_obj = full_fa_seg + len(gdn_layers) * C * gdn_token_bytes
+    sm = FakeStorageManager(cell.num_chunks * (pool_obj + 2 * FakeStorageManager.GAP + 256) + 2 * FakeStorageManager.GAP,
                             opts.guards, pinned=tensor_device == "cuda")
     ctx = _fake_server_context(C, sm)
     guards.VIOLATIONS.clear()
@@ -513,8 +526,9 @@ def run_cell(cell: Cell, opts: Options) -> dict:
     try:
         if on_cuda:
             make_handle = stack.enter_context(hc.local_events())
-        infos = [EngineGroupInfo(engine_group_id=i["engine_group_id"], layer_indices=tuple(i["layer_indices"]),
-                                 tokens_per_block=i["tokens_per_block"]) for i in geometry.engine_group_infos(geo)]
+        infos = geometry.make_engine_group_infos(info_dicts)
+        result["engine_groups"] = [dict(i, layer_indices=list(i["layer_indices"])) for i in info_dicts]
+        result["window_rule"] = opts.window_rule
         hints = {"kv_layout": "HND"}
         mod.register_kv_cache(1, [_Wrapper(t) for t in src.tensors], MODEL, 1, EngineType.VLLM, hints, infos)
         mod.register_kv_cache(2, [_Wrapper(t) for t in dst.tensors], MODEL, 1, EngineType.VLLM, hints, infos)
@@ -527,6 +541,8 @@ def run_cell(cell: Cell, opts: Options) -> dict:
             kind = "fa" if set(layers) <= set(fa_layers) else "gdn" if set(layers) <= set(gdn_layers) else "mixed"
             kg_kind.append(kind)
             kg_info.append({"kind": kind, "layers": layers, "tokens_per_block": kg.tokens_per_block,
+                            "window_tokens": int(mgr.get_subchunk_sw_size_tokens(len(kg_info)))
+                            if hasattr(mgr, "get_subchunk_sw_size_tokens") else None,
                             "slots_per_block": kg.slots_per_block, "bs": int(kg.shape_desc.bs),
                             "nb": int(kg.shape_desc.nb), "fmt": str(kg.engine_kv_format)})
         result["kernel_groups"] = kg_info
@@ -609,33 +625,63 @@ def run_cell(cell: Cell, opts: Options) -> dict:
         for kind in present:
             layers = fa_layers if kind == "fa" else gdn_layers
             ppb = k if kind == "fa" else 1
+            # Positions the server stores and restores: every block for FA; for a
+            # windowed group (0.5.4+ GDN) only the kept tail of each chunk.  The
+            # other requested positions are "not restored": poison stays there
+            # (checked below: any write into them must be the true bytes).
+            exp_pos = geometry.kept_positions(info_of[kind], cell.chunk_blocks, req_pos)
+            if kind == "fa" and exp_pos != req_pos:
+                raise RuntimeError(f"FA group declared a window: {info_of[kind]}")
+            off_pos = [p for p in req_pos if p not in set(exp_pos)]
             requested = restored = foreign = skipped_written = misplaced = 0
+            off_written = off_wrong = 0
+            slots_exact = 0
             row_bytes = None
             for li in layers:
                 s_rows = _wide(_rows(src.raw[li], kind, geo))
                 d_rows = _wide(_rows(dst.raw[li], kind, geo))
                 row_bytes = _rows(src.raw[li], kind, geo).shape[-1]
                 pv = poison_word if d_rows.dtype == torch.int64 else POISON
-                d_pages = [dst_ids[kind][p] * ppb + j for p in req_pos for j in range(ppb)]
-                s_pages = [src_ids[kind][p] * ppb + j for p in req_pos for j in range(ppb)]
+                d_pages = [dst_ids[kind][p] * ppb + j for p in exp_pos for j in range(ppb)]
+                s_pages = [src_ids[kind][p] * ppb + j for p in exp_pos for j in range(ppb)]
                 sk_pages = [dst_ids[kind][p] * ppb + j for p in skip_pos for j in range(ppb)]
                 requested += len(d_pages) * s_rows.shape[1] * row_bytes
                 if d_pages:
                     d_sel = d_rows[d_pages]
                     eq = (d_sel == s_rows[s_pages]).all(-1)
                     restored += int(eq.count_nonzero()) * row_bytes
+                    slots_exact += int(eq.all(-1).view(len(exp_pos), ppb).all(-1).count_nonzero())
                     # written (not poison) but wrong: misplaced bytes inside the requested blocks
                     misplaced += int(((d_sel != pv).any(-1) & ~eq).count_nonzero()) * row_bytes
+                if off_pos:
+                    od = [dst_ids[kind][p] * ppb + j for p in off_pos for j in range(ppb)]
+                    os_ = [src_ids[kind][p] * ppb + j for p in off_pos for j in range(ppb)]
+                    o_sel = d_rows[od]
+                    o_changed = (o_sel != pv).any(-1)
+                    off_written += int(o_changed.count_nonzero()) * row_bytes
+                    o_wrong = int((o_changed & ~(o_sel == s_rows[os_]).all(-1)).count_nonzero()) * row_bytes
+                    off_wrong += o_wrong
+                    misplaced += o_wrong
                 changed = (d_rows != pv).any(-1)  # (pages, rows)
                 allowed = torch.zeros(d_rows.shape[0], dtype=torch.bool)
                 allowed[d_pages] = True
                 skipped = torch.zeros(d_rows.shape[0], dtype=torch.bool)
                 if sk_pages:
                     skipped[sk_pages] = True
+                if off_pos:
+                    allowed[[dst_ids[kind][p] * ppb + j for p in off_pos for j in range(ppb)]] = True
                 foreign += int(changed[~(allowed | skipped)].count_nonzero()) * row_bytes
                 skipped_written += int(changed[skipped].count_nonzero()) * row_bytes
             groups[kind] = {"k": ppb, "layers": layers, "requested_bytes": requested, "restored_bytes": restored,
                             "fraction": (restored / requested) if requested else 1.0,
+                            # slots = (layer, logical block position); "expected" = what the server stores
+                            "keep_blocks_per_chunk": keep_blocks[kind],
+                            "slots_requested": len(layers) * len(req_pos),
+                            "slots_expected": len(layers) * len(exp_pos),
+                            "slots_restored": slots_exact,
+                            "slots_not_restored_by_design": len(layers) * len(off_pos),
+                            "not_restored_slots_written_bytes": off_written,
+                            "not_restored_slots_wrong_bytes": off_wrong,
                             "foreign_bytes": foreign, "skipped_prefix_written_bytes": skipped_written,
                             "misplaced_bytes": misplaced,
                             "row_bytes": row_bytes}
@@ -676,9 +722,22 @@ def run_cell(cell: Cell, opts: Options) -> dict:
                             matches.append(rule)
                     seg["layout_matches"] = matches
                 else:
-                    exp = expected_gdn_segment([src.tensors[i] for i in gdn_layers], chunk_ids)
-                    seg["layout_matches"] = ["gdn-rows"] if exp.numel() == nbytes and torch.equal(exp, seg_bytes) \
-                        else []
+                    kept = chunk_ids[len(chunk_ids) - keep_blocks["gdn"]:]
+                    exp = expected_gdn_segment([src.tensors[i] for i in gdn_layers], kept)
+                    if exp.numel() == nbytes and torch.equal(exp, seg_bytes):
+                        seg["layout_matches"] = ["gdn-rows"]
+                    elif len(kept) < len(chunk_ids) and nbytes == full_gdn_seg * len(chunk_ids) // len(kept) \
+                            and torch.equal(exp, seg_bytes[:exp.numel()]):
+                        # LMCache's CPU cache context sizes the segment for the whole
+                        # chunk (``get_kernel_group_shape_dtype`` ignores the window;
+                        # CUDA's does not): the kept slots sit at its head, the rest
+                        # is never written nor read.
+                        seg["layout_matches"] = ["gdn-rows-window-head"]
+                        seg["ratio"] = exp.numel() / full if full else None
+                        seg["unused_tail_bytes"] = nbytes - exp.numel()
+                        seg["unused_tail_nonzero_bytes"] = int(seg_bytes[exp.numel():].count_nonzero())
+                    else:
+                        seg["layout_matches"] = []
                 segs.append(seg)
                 off += nbytes
             seg_info = [(s["kind"], s["offset"], s["nbytes"]) for s in segs]
@@ -745,6 +804,11 @@ def run_cell(cell: Cell, opts: Options) -> dict:
         for kind, gr in groups.items():
             if gr["fraction"] != 1.0:
                 reasons.append(f"{kind}: restored {gr['fraction']:.4f} of requested bytes")
+            if gr["slots_restored"] != gr["slots_expected"]:
+                reasons.append(f"{kind}: {gr['slots_restored']}/{gr['slots_expected']} expected slots restored")
+            if gr["not_restored_slots_wrong_bytes"]:
+                reasons.append(f"{kind}: {gr['not_restored_slots_wrong_bytes']} wrong bytes written into slots "
+                               "the server does not restore")
             if gr["foreign_bytes"]:
                 reasons.append(f"{kind}: {gr['foreign_bytes']} foreign bytes written")
             if gr["skipped_prefix_written_bytes"]:
@@ -817,7 +881,8 @@ def run(cells: list[Cell], opts: Options) -> dict:
 
 def _table(doc: dict) -> str:
     lines = [f"lmcache {doc['lmcache']['version']} at {doc['lmcache']['root']}"]
-    hdr = f"{'cell':58} {'FA frac':>8} {'FA foreign':>11} {'FA obj':>7} {'GDN frac':>8} {'guards':>6} verdict"
+    hdr = (f"{'cell':58} {'FA frac':>8} {'FA foreign':>11} {'FA obj':>7} {'GDN frac':>8} {'GDN slots':>9} "
+           f"{'guards':>6} verdict")
     lines.append(hdr)
     for c in doc["cells"]:
         if "error" in c:
@@ -827,6 +892,7 @@ def _table(doc: dict) -> str:
         g = c["guards"]
         lines.append(f"{c['name']:58} {fa.get('fraction', float('nan')):8.4f} {fa.get('foreign_bytes', 0):11d} "
                      f"{fa.get('object_ratio') or 0:7.4f} {gdn.get('fraction', float('nan')):8.4f} "
+                     f"{(str(gdn['slots_restored']) + '/' + str(gdn['slots_expected'])) if gdn else '-':>9} "
                      f"{('ok' if g.get('ok') else 'FAIL') if g.get('enabled') else '-':>6} "
                      f"{'PASS' if c['verdict']['pass'] else 'FAIL'}")
     return "\n".join(lines)
@@ -849,6 +915,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="cpu (default) | cuda: CUDA tensors through LMCache's real native path | "
                          "cpu-standin: the cuda code path on CPU tensors (tests)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--window-rule", choices=list(geometry.WINDOW_RULES), default="connector",
+                    help="EngineGroupInfo window fields: connector (the installed connector's rule, default) | "
+                         "none (no window: the pre-issue-11 harness) | end (GDN sw_size_tokens = N)")
     ap.add_argument("--reps", type=int, default=1, help="store+retrieve repetitions per cell (timings)")
     ap.add_argument("--no-guards", action="store_true", help="disable guards (for timing)")
     ap.add_argument("--no-hashes", action="store_true", help="skip per-object sha256")
@@ -878,7 +947,7 @@ def main(argv: list[str] | None = None) -> int:
         print("roundtrip.py: --path direct: the copy-engine path needs --device cuda", file=sys.stderr)
         return 3
     opts = Options(guards=not args.no_guards, reps=args.reps, hashes=not args.no_hashes, dump_dir=args.dump_dir,
-                   inject=args.inject, device=args.device)
+                   inject=args.inject, device=args.device, window_rule=args.window_rule)
 
     # Keep stdout clean for the JSON: everything LMCache prints goes to stderr.
     real_stdout = os.fdopen(os.dup(1), "w")

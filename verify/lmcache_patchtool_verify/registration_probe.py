@@ -38,7 +38,6 @@ class _Capture(logging.Handler):
 def probe(preset: str, break_tiling: bool) -> dict:
     import torch  # noqa: PLC0415
     from lmcache.utils import EngineType  # noqa: PLC0415
-    from lmcache.v1.multiprocess.group_view import EngineGroupInfo  # noqa: PLC0415
     from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: PLC0415
 
     from .harness import FakeStorageManager, _fake_server_context, _Wrapper  # noqa: PLC0415
@@ -63,8 +62,7 @@ def probe(preset: str, break_tiling: bool) -> dict:
     ctx = _fake_server_context(geo.tokens_per_block, FakeStorageManager(1 << 20, False))
     module = ldt.LMCacheDrivenTransferModule(ctx)
     caches = geometry.build_kv_caches(geo, 4, seed=1)
-    infos = [EngineGroupInfo(engine_group_id=i["engine_group_id"], layer_indices=i["layer_indices"],
-                             tokens_per_block=i["tokens_per_block"]) for i in geometry.engine_group_infos(geo)]
+    infos = geometry.make_engine_group_infos(geometry.engine_group_infos(geo))
     error = None
     try:
         module.register_kv_cache(1, [_Wrapper(t) for t in caches.tensors], "m", 1, EngineType.VLLM,
