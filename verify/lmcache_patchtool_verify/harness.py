@@ -741,8 +741,16 @@ def run_cell(cell: Cell, opts: Options) -> dict:
                 segs.append(seg)
                 off += nbytes
             seg_info = [(s["kind"], s["offset"], s["nbytes"]) for s in segs]
+            # The bytes the server wrote and reads back: every segment, less the
+            # unused tail of a windowed GDN segment (CPU cache context), whose
+            # content is stale staging memory (nonzero and run-dependent on 0.5.6).
+            used = [raw[sg["offset"]:sg["offset"] + sg["nbytes"] - sg.get("unused_tail_bytes", 0)] for sg in segs]
             objects.append({"chunk": ci, "size": obj.get_size(), "full_size": full_obj, "address": obj.meta.address,
-                            "sha256": _sha(raw) if opts.hashes else None, "segments": segs})
+                            "sha256": _sha(raw) if opts.hashes else None,
+                            "sha256_used": (_sha(torch.cat(used)) if len(used) > 1 else _sha(used[0]))
+                            if opts.hashes and used else None,
+                            "unused_bytes": sum(sg.get("unused_tail_bytes", 0) for sg in segs),
+                            "segments": segs})
         result["objects"] = objects
         ok_objs = [o for o in objects if o]
         fa_segs = [s for o in ok_objs for s in o["segments"] if s["kind"] == "fa"]
