@@ -32,6 +32,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import provision  # noqa: E402
 
+from .harness_run import ports_harness, series  # noqa: E402
+
 VERSIONS = ("0.5.4", "0.5.5", "0.5.6")
 SUB_PAGED = ("qwen35-0.8b", "gdn-27b", "pure-attn-bs128")
 HYBRID_SUB_PAGED = ("qwen35-0.8b", "gdn-27b")
@@ -45,8 +47,7 @@ CELLS = (
 )
 
 
-def _series(version: str) -> list[Path]:
-    return sorted((REPO / "patches" / "hybrid-fa" / version).glob("*.patch"))
+_series = series
 
 
 _RUNS: dict = {}
@@ -57,20 +58,8 @@ def _run(version: str, patched: bool, path: str = "python", edits: bool = True, 
     key = (version, patched, path, edits, layout)
     if key in _RUNS:
         return _RUNS[key]
-    venv = provision.runtime_env(version)
-    overlay = provision.overlay(version, _series(version) if patched else None)
-    args = [str(venv / "bin" / "python"), "-m", "lmcache_patchtool_verify.ports_roundtrip",
-            "--json", "--path", path, "--layout", layout]
-    if edits:
-        args.append("--edits")
-    for cell in CELLS:
-        args += ["--cell", cell]
-    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}")
-    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    doc = json.loads(proc.stdout)
-    root = doc["lmcache"]["root"]
-    assert Path(root).resolve() == overlay.resolve(), f"ran {root}, not the overlay {overlay}"
+    doc = ports_harness(version, patched, CELLS,
+                        ["--path", path, "--layout", layout] + (["--edits"] if edits else []))
     cells = {}
     for c in doc["cells"]:
         assert "error" not in c, c.get("traceback")

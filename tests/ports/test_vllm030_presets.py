@@ -16,18 +16,9 @@ oldest (0.5.3) and newest (0.5.6) series.  The rest is ``slow``; everything:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-
-import provision  # noqa: E402
+from .harness_run import ports_harness
 
 ALL = ("0.5.3", "0.5.4", "0.5.5", "0.5.6")
 NEW = ("qwen35-bs576", "qwen35-tp4-bs320", "qwen35-fa4-bs640")
@@ -42,18 +33,9 @@ def run(version: str, patched: bool, cells: tuple[str, ...]) -> dict:
     key = (version, patched, cells)
     if key in _RUNS:
         return _RUNS[key]
-    venv = provision.runtime_env(version)
-    series = sorted((REPO / "patches" / "hybrid-fa" / version).glob("*.patch"))
-    overlay = provision.overlay(version, series if patched else None)
-    args = [str(venv / "bin" / "python"), "-m", "lmcache_patchtool_verify.ports_roundtrip",
-            "--json", "--no-hashes", "--path", "python", "--layout", "HND", "--edits"]
-    for cell in cells:
-        args += ["--cell", cell]
-    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}")
-    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    doc = json.loads(proc.stdout)
-    assert Path(doc["lmcache"]["root"]).resolve() == overlay.resolve()
+    doc = ports_harness(version, patched, cells,
+                        ["--no-hashes", "--path", "python", "--layout", "HND", "--edits"],
+                        timeout=1200)
     _RUNS[key] = {c["name"].split("/")[0] + "/" + c["name"].split("/")[1]: c for c in doc["cells"]}
     return _RUNS[key]
 

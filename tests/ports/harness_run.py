@@ -1,0 +1,38 @@
+"""Run the ports round-trip harness (``lmcache_patchtool_verify.ports_roundtrip``)
+in a version's runtime venv over its pristine or patched overlay: the one
+runner the ports tests share."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import provision  # noqa: E402
+
+
+def series(version: str) -> list[Path]:
+    return sorted((REPO / "patches" / "hybrid-fa" / version).glob("*.patch"))
+
+
+def ports_harness(version: str, patched: bool, cells: tuple[str, ...], options: list[str],
+                  timeout: float = 1800) -> dict:
+    """The harness's JSON report for ``cells``; asserts it ran the overlay."""
+    venv = provision.runtime_env(version)
+    overlay = provision.overlay(version, series(version) if patched else None)
+    args = [str(venv / "bin" / "python"), "-m", "lmcache_patchtool_verify.ports_roundtrip",
+            "--json", *options]
+    for cell in cells:
+        args += ["--cell", cell]
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}")
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    root = doc["lmcache"]["root"]
+    assert Path(root).resolve() == overlay.resolve(), f"ran {root}, not the overlay {overlay}"
+    return doc
