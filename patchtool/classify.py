@@ -177,10 +177,7 @@ def _classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool,
     st.install_source = (t.direct_url or {}).get("url", "index") if t.direct_url else "index"
     st.wheel_build = wheel_build_info(t)
 
-    record_bytes = reader.read(t.record_path)
-    if record_bytes is None:
-        raise Refusal(t.record_path, "missing: without RECORD the install cannot be checked")
-    record_rows = Record.parse(record_bytes, t.record_path).rows
+    record_rows = Record.read(t.record_path, reader.read).rows
     if pset is None:
         st.state = UNSUPPORTED
         st.detail = (f"no patch set{' ' + set_name if set_name else ''} for lmcache {t.version}")

@@ -140,14 +140,6 @@ def _stale_pyc(target: Target, paths: list[str], reader: Reader) -> list[Change]
     return out
 
 
-def _record(target: Target, reader: Reader) -> Record:
-    data = reader.read(target.record_path)
-    if data is None:
-        raise Refusal(target.record_path, "missing: without RECORD the install cannot be "
-                      "checked or kept consistent")
-    return Record.parse(data, target.record_path)
-
-
 def _links(target: Target, paths: list[str], reader: Reader) -> list[Refusal]:
     """A target reached through a symbolic link would be replaced by a regular
     file (the link's other side left as it was): refuse, naming the link."""
@@ -258,7 +250,7 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
 
     # RECORD rows of the touched files, and the state that revert relies on.
     try:
-        record = _record(target, reader)
+        record = Record.read(target.record_path, reader.read)
     except Refusal as r:
         return plan.refuse(r)
     for path in new_bytes:
@@ -312,7 +304,7 @@ def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
     assert isinstance(res, RevertResult)
     try:
         state = load_state(target, reader)
-        record = _record(target, reader)
+        record = Record.read(target.record_path, reader.read)
     except Refusal as r:
         return plan.refuse(r)
     restore: dict[str, bytes] = {}

@@ -19,7 +19,7 @@ import csv
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from .errors import Refusal
 
@@ -139,11 +139,13 @@ class Record:
         return cls(lines, first or _DEFAULT_NEWLINE, where)
 
     @classmethod
-    def read(cls, path: Path) -> "Record":
-        """Read and parse the RECORD file at ``path``; any OS error is a refusal."""
+    def read(cls, path: Path, read: Callable[[Path], bytes | None] | None = None) -> "Record":
+        """Read and parse the RECORD file at ``path`` (through ``read``, a
+        :class:`~patchtool.fsio.Reader`'s, default :func:`fsio.read_file`);
+        a missing file and any OS error are refusals."""
         from .fsio import read_file  # the one owner of OS errors on reads
 
-        data = read_file(Path(path))
+        data = (read or read_file)(Path(path))
         if data is None:
             raise Refusal(path, "missing: without RECORD the install cannot be checked "
                           "or kept consistent")
