@@ -100,25 +100,30 @@ def read_metadata(dist_info: Path) -> Metadata:
     return parse_metadata(_read_bytes(path, "missing: the distribution is incomplete"), path)
 
 
+def dists_in(site_dir: str, project: str) -> list[Path]:
+    """Every ``<project>-*.dist-info`` / ``.egg-info`` / ``.egg-link`` entry of
+    one site dir, sorted (the one scan of a site dir for a project)."""
+    import os
+
+    want = canonical_name(project)
+    return sorted(Path(e.path) for e in os.scandir(site_dir) if project_of(e.name) == want)
+
+
 def installed_version(site_dirs: list[str], project: str) -> str | None:
     """The version in the METADATA of the first ``<project>-*.dist-info`` in
     ``site_dirs`` (searched in order, as lmcache's are), or None when there is
     none.  For a neighbour of lmcache (vLLM) that is only reported, never
     acted on, so an unreadable METADATA also gives None instead of a refusal."""
-    import os
-
-    want = canonical_name(project)
     for d in site_dirs:
         try:
-            entries = sorted(e.name for e in os.scandir(d))
+            found = [p for p in dists_in(d, project) if p.suffix == ".dist-info"]
         except OSError:
             continue
-        for name in entries:
-            if name.endswith(".dist-info") and project_of(name) == want:
-                try:
-                    return read_metadata(Path(d) / name).version
-                except Refusal:
-                    continue
+        for dist in found:
+            try:
+                return read_metadata(dist).version
+            except Refusal:
+                continue
     return None
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .distinfo import DIST as DIST_NAME  # the one owner of the project name
+from .distinfo import dists_in, read_metadata
 from .errors import NotInstalled, Refusal
 
 # Run in the target interpreter with -I (isolated: no PYTHONPATH, no cwd on
@@ -153,19 +154,6 @@ def _dedupe_existing(dirs: list[str]) -> list[str]:
     return out
 
 
-def _lmcache_dists(site_dir: str) -> list[Path]:
-    from .distinfo import project_of
-
-    return sorted(Path(entry.path) for entry in os.scandir(site_dir)
-                  if project_of(entry.name) == DIST_NAME)
-
-
-def _read_metadata_version(dist_info: Path) -> str:
-    from .distinfo import read_metadata
-
-    return read_metadata(dist_info).version
-
-
 def _refuse_non_wheel_install(dist: Path) -> dict | None:
     if dist.suffix != ".dist-info":
         raise Refusal(dist, "legacy egg/develop install: its files are not a wheel's, "
@@ -205,7 +193,7 @@ def discover(python: str | None = None, site_packages: str | None = None) -> Dis
 
     found: list[Path] = []
     for d in dirs:
-        found.extend(_lmcache_dists(d))
+        found.extend(dists_in(d, DIST_NAME))
     if not found:
         return Discovery(exe, pyver, dirs, None)
     if len(found) > 1:
@@ -215,7 +203,7 @@ def discover(python: str | None = None, site_packages: str | None = None) -> Dis
                       "will not guess: uninstall one")
     dist = found[0]
     direct_url = _refuse_non_wheel_install(dist)
-    version = _read_metadata_version(dist)
+    version = read_metadata(dist).version
     from .distinfo import read_installer
 
     installer = read_installer(dist)
