@@ -154,7 +154,8 @@ def _links(target: Target, paths: list[str], reader: Reader) -> list[Refusal]:
 
 
 def _series_table(target: Target, pset: PatchSetDir, state: InstallState | None,
-                  patches: list[Patch], current: dict[str, bytes | None], reader: Reader):
+                  patches: list[Patch], all_patches: list[Patch],
+                  current: dict[str, bytes | None], reader: Reader):
     """The per-hunk table, and the bytes after the series.  A file already at
     step ``s`` is shown from its pristine bytes, with patches up to ``s``
     marked already-applied: checked against the final file, an earlier
@@ -169,7 +170,7 @@ def _series_table(target: Target, pset: PatchSetDir, state: InstallState | None,
         have = FileHash.of(data)
         steps = [j for j in range(1, len(patches) + 1) if m.hash_after(path, j) == have]
         if steps and m.hash_after(path, 0) != have:
-            pristine = _original(target, pset, state, path, data, pset.load_patches(), reader)
+            pristine = _original(target, pset, state, path, data, all_patches, reader)
             if pristine is not None:
                 at_step[path], inputs[path] = max(steps), pristine
     table = apply_series(patches, lambda p: inputs.get(p))
@@ -209,7 +210,8 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
         plan.refuse(r)
     if plan.refusals:
         return plan
-    patches = pset.load_patches(k)
+    all_patches = pset.load_patches()  # parsed once for the table, the originals and the apply
+    patches = all_patches[:k]
     current = {p: reader.read(target.site / p) for p in m.files}
     try:
         state = load_state(target, reader)
@@ -217,7 +219,7 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
         return plan.refuse(r)
     if state is not None and state.lmcache_version != target.version:
         state = None  # left by another lmcache version; its originals are not ours
-    table = _series_table(target, pset, state, patches, current, reader)
+    table = _series_table(target, pset, state, patches, all_patches, current, reader)
     res.hunks = table.results
 
     new_bytes: dict[str, bytes] = {}
@@ -273,7 +275,6 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
                                    for p, b in new_bytes.items()})
     saved = dict(state.files) if state else {}
     changes: list[Change] = []
-    all_patches = pset.load_patches()
     for path, data in sorted(new_bytes.items()):
         if path not in saved:
             original = _original(target, pset, None, path, current[path] or b"", all_patches,
