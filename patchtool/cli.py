@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--note", action="append", dest="notes", metavar="TEXT",
                    help="operator note status prints for this version (repeatable; "
                         "default: keep existing)")
+    b.add_argument("--l2-format", type=int, metavar="N",
+                   help="disk-tier key namespace format the series writes (+kvlN-...; "
+                        "default: keep existing)")
     b.add_argument("--fixed-upstream", metavar="REASON",
                    help="mark this version as needing no patch, with a reason")
     return ap
@@ -328,7 +331,8 @@ def cmd_manifest(args) -> int:
 
     m = build_manifest(Path(args.directory), Path(args.wheel), revision=args.revision,
                        vllm_versions=args.vllm_versions, upstream=args.upstream,
-                       fixed_upstream=args.fixed_upstream, notes=args.notes)
+                       fixed_upstream=args.fixed_upstream, notes=args.notes,
+                       l2_format=args.l2_format)
     summary = BuildSummary(str(Path(args.directory) / "manifest.json"), m.lmcache_version,
                            m.state, m.revision, len(m.patches), len(m.files), m.to_json())
     return _emit(args, "manifest", summary)

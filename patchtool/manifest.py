@@ -99,6 +99,10 @@ class Manifest:
     # Operator-facing notes `patchtool status` prints for this version (what
     # upstream fixed and what it did not, known limits). Omitted when empty.
     notes: list[str] = field(default_factory=list)
+    # The disk-tier key namespace format this series writes (``+kvl<N>-<hex>``
+    # after the model name, EXPLAINER "Disk-tier keys"); None: the series
+    # writes pristine keys only.  Read by `status` and `l2 scan`.
+    l2_format: int | None = None
 
     def to_json(self) -> dict:
         out: dict = {
@@ -116,6 +120,8 @@ class Manifest:
         })
         if self.notes:
             out["notes"] = self.notes
+        if self.l2_format is not None:
+            out["l2_format"] = self.l2_format
         out.update({
             "tool_version": self.tool_version,
             "wheel": self.wheel,
@@ -166,6 +172,7 @@ def load_manifest(path: Path) -> Manifest:
             vllm_versions=list(raw["vllm_versions"]),
             upstream=list(raw["upstream"]),
             notes=[str(n) for n in raw.get("notes", [])],
+            l2_format=None if raw.get("l2_format") is None else int(raw["l2_format"]),
             tool_version=raw["tool_version"],
             wheel=dict(raw["wheel"]),
             patches=[PatchEntry(str(p["id"]), str(p["file"]), str(p["sha256"]),
@@ -279,6 +286,7 @@ def find_patch_set(root: Path, version: str, set_name: str | None) -> PatchSetDi
 def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
                    vllm_versions: list[str] | None = None, upstream: list[str] | None = None,
                    fixed_upstream: str | None = None, notes: list[str] | None = None,
+                   l2_format: int | None = None,
                    write: bool = True) -> Manifest:
     """Generate (and by default write) ``directory/manifest.json``.
 
@@ -305,6 +313,8 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
         upstream = existing.upstream if existing else []
     if notes is None:
         notes = existing.notes if existing else []
+    if l2_format is None:
+        l2_format = existing.l2_format if existing else None
     if fixed_upstream is None and existing and existing.state == STATE_FIXED_UPSTREAM:
         fixed_upstream = existing.reason
 
@@ -327,7 +337,7 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
     patch_paths = sorted(directory.glob("*.patch"))
     common = dict(patch_set=directory.parent.name, lmcache_version=version, revision=revision,
                   vllm_versions=list(vllm_versions), upstream=list(upstream),
-                  notes=list(notes), tool_version=__version__,
+                  notes=list(notes), l2_format=l2_format, tool_version=__version__,
                   wheel={"filename": wheel.name, "sha256": sha256_file(wheel)},
                   previous_revisions=previous)
     if fixed_upstream is not None:
