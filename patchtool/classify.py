@@ -245,13 +245,20 @@ def _classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool,
             st.detail += f" (installed from the patched wheel, lmcache {t.version})"
     elif 0 in common_steps:
         st.state, st.detail = PRISTINE, "files are as the wheel installed them"
+    elif older and not any_missing_or_drift:
+        # Checked before "partial": a revision that appends a patch leaves the
+        # previous revision's files at an intermediate step of the new series,
+        # and an install that is exactly a shipped revision is that revision.
+        st.state = PATCHED_OLDER
+        st.detail = f"patched with revision {older[0]}; revision {m.revision} is shipped"
+        prev = next(p for p in m.previous_revisions if p.revision == older[0])
+        for fs in st.files:
+            if fs.path in prev.files and fs.state != F_PATCHED:
+                fs.state, fs.revision, fs.step = F_OLDER, older[0], None
     elif common_steps:
         k = max(common_steps)
         st.state, st.applied_through = PARTIAL, ids[k - 1]
         st.detail = f"series applied up to {ids[k - 1]} ({k} of {n})"
-    elif older and not any_missing_or_drift:
-        st.state = PATCHED_OLDER
-        st.detail = f"patched with revision {older[0]}; revision {m.revision} is shipped"
     else:
         bad = [f.path for f in st.files if f.state in (F_DRIFTED, F_MISSING)]
         st.state = DRIFTED

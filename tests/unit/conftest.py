@@ -54,6 +54,22 @@ def patch_root_r2(tmp_path_factory, patch_root, wheel) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def patch_root_r2_appended(tmp_path_factory, patch_root, wheel) -> Path:
+    """Revision 2 made by APPENDING a patch (03 edits UNTOUCHED, a file revision
+    1 never touched), 01 and 02 unchanged: how the real series grew 05-layout-keys."""
+    root = tmp_path_factory.mktemp("patches-r2-appended")
+    shutil.copytree(patch_root, root, dirs_exist_ok=True)
+    d = root / sw.SET / sw.VERSION
+    base = sw.wheel_files(wheel)
+    steps = sw.default_steps(base)
+    steps.append(("03-third.patch", {sw.UNTOUCHED: sw.insert_after(base[sw.UNTOUCHED], 5,
+                                                                    b"# unit 03: appended")}))
+    sw.write_series(d, base, steps)
+    sw.manifest_build(d, wheel, "--revision", "2")
+    return root
+
+
 @pytest.fixture
 def patches_copy(tmp_path, patch_root) -> Path:
     """A private copy of :func:`patch_root` (for tests that tamper with it)."""

@@ -243,6 +243,30 @@ def test_older_revision_recognised_upgraded_reverted(site, fresh_site, patch_roo
     assert tree_hashes(site, SKIP) == tree_hashes(fresh_site, SKIP)
 
 
+def test_revision_that_appends_a_patch_is_an_older_revision(site, fresh_site, patch_root,
+                                                          patch_root_r2_appended):
+    """Revision 1 applied, revision 2 = revision 1 + one more patch on a new file:
+    the install is 'patched-older-revision' (not 'partial'), apply upgrades it,
+    revert gives back the wheel's bytes."""
+    root = patch_root_r2_appended
+    assert cli("apply", *sp(site), patches=patch_root).rc == 0  # revision 1
+    st = cli("status", *sp(site), "--json", patches=root).json["result"]
+    assert (st["state"], st["revision"]) == ("patched-older-revision", 2), st["detail"]
+    files = files_by_path(st)
+    assert files[F1]["state"] == "patched"  # 03 leaves F1 as revision 1 had it
+    assert files[sw.UNTOUCHED]["state"] == "pristine"
+    assert cli("verify", *sp(site), patches=root).rc == 9
+
+    r = cli("apply", *sp(site), "--json", patches=root)
+    assert r.rc == 0, r.err
+    assert (r.json["result"]["state_before"], r.json["result"]["state_after"]) == \
+        ("patched-older-revision", "patched")
+    assert r.json["result"]["changed_files"] == [sw.UNTOUCHED]
+    assert cli("verify", *sp(site), patches=root).rc == 0
+    assert cli("revert", *sp(site), patches=root).rc == 0
+    assert tree_hashes(site, SKIP) == tree_hashes(fresh_site, SKIP)
+
+
 def test_list_json(patch_root, patch_root_r2):
     r = cli("list", "--json", patches=patch_root_r2)
     assert r.rc == 0, r.err
