@@ -112,16 +112,38 @@ class Status:
     notes: list[str] = field(default_factory=list)
     # The vLLM found in the same site dirs (its dist-info METADATA; never imported).
     vllm_version: str | None = None
+    # How the installed build keys disk-tier objects: "pristine" (LMCache's
+    # own keys) or "kvl<N>" (layout-namespaced, EXPLAINER "Disk-tier keys").
+    disk_tier_keys: str | None = None
+    # The one command that brings this install to the shipped revision, when
+    # there is one to run (after `pip install -U lmcache`, or an older revision).
+    next_command: str | None = None
 
 
-# Why: objects in a persistent L2 tier carry no layout fingerprint. Those
-# written by an unpatched build hold 1/k of the FA bytes (the wrong pages),
-# and a patched -> pristine downgrade reads patched objects as valid hits.
+# Why: without layout-namespaced keys (revision 1 of the series) objects in a
+# persistent L2 tier carry no layout fingerprint. Those written by an
+# unpatched build hold 1/k of the FA bytes (the wrong pages), and a patched ->
+# pristine downgrade reads patched objects as valid hits.
 DISK_TIER_WARNING = (
     "disk-tier data written before this patch, or by another LMCache version "
     "or layout, must be discarded: wipe the L2 tier (for the fs adapter, its "
     "base_path directory) or change the model alias / cache_salt before serving "
     "from it; never point an unpatched build at a tier a patched build wrote"
+)
+
+# With layout-namespaced keys the tier is safe across builds by construction;
+# what is left is upstream's own layout change between pristine 0.5.3 and
+# 0.5.4+ (the Mamba/GDN state of chunks of several blocks), which no key a
+# patched build chooses can fence off (EXPLAINER "Disk-tier keys").
+DISK_TIER_NAMESPACED = (
+    "disk-tier keys kvl{fmt}: objects whose bytes another LMCache build writes "
+    "differently are stored as <model>+kvl{fmt}-<digest> (the server logs "
+    "\"keys objects as\" per object group at registration), so no other build "
+    "reads them and this build reads no other build's; the tier survives patching, "
+    "reverting and upgrading. Upstream exception: a hybrid-model tier written by "
+    "PRISTINE 0.5.3 with chunks of more than one block must be discarded before "
+    "a 0.5.4+ build serves from it. `patchtool l2 scan DIR` lists what this "
+    "install never reads"
 )
 
 
@@ -133,6 +155,23 @@ RECORD_MISMATCH_NOTE = (
     "apply refuses it; reinstall lmcache, or pass --accept-record-mismatch to patch it "
     "anyway"
 )
+
+
+def disk_tier_note(m) -> str:
+    """The disk-tier note for an install patched with manifest ``m``."""
+    if m.l2_format is not None:
+        return DISK_TIER_NAMESPACED.format(fmt=m.l2_format)
+    return DISK_TIER_WARNING
+
+
+def apply_command(target: Target) -> str:
+    """The exact command that patches this install: what `status` and `verify`
+    tell an operator after `pip install -U lmcache` or a revision bump."""
+    import shlex
+
+    where = (f"--python {shlex.quote(target.python)}" if target.python
+             else f"--site-packages {shlex.quote(str(target.site))}")
+    return f"patchtool apply {where}"
 
 
 def patch_set_key(target: Target) -> tuple[str, str | None]:
@@ -264,8 +303,16 @@ def _classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool,
         st.state = DRIFTED
         st.detail = (f"{bad[0]} matches no known pristine or patched state" if bad
                      else "files are at different patch steps")
-    if st.state in (PATCHED, PATCHED_OLDER, PARTIAL):
+    st.disk_tier_keys = "pristine"
+    if st.state == PATCHED and m.l2_format is not None:
+        st.disk_tier_keys = f"kvl{m.l2_format}"
+        st.notes.append(disk_tier_note(m))
+    elif st.state in (PATCHED, PATCHED_OLDER, PARTIAL):
+        # An older revision, or a series without namespaced keys: the
+        # installed build may write pristine keys for sub-paged layouts.
         st.notes.append(DISK_TIER_WARNING)
+    if st.state in (PRISTINE, PATCHED_OLDER, PARTIAL) and st.wheel_build is None:
+        st.next_command = apply_command(t)
     inconsistent = [f.path for f in st.files if f.record_row == "mismatch"]
     if inconsistent and st.state != PATCHED:
         st.notes.append(RECORD_MISMATCH_NOTE.format(path=inconsistent[0]))

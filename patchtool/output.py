@@ -100,6 +100,10 @@ def _render_status(console, st) -> None:
         console.print(f"RECORD      : {st.record.checked} checked, {st.record.mismatches} "
                       f"mismatched ({scope}; {st.record.rows} rows)")
     console.print(f"state       : [bold]{_styled(st.state)}[/] - {st.detail}")
+    if st.disk_tier_keys:
+        console.print(f"disk keys   : {st.disk_tier_keys}")
+    if st.next_command:
+        console.print(f"next        : [bold]{st.next_command}[/]")
     for note in st.notes:
         console.print(f"[yellow]note[/]        : {note}")
 
@@ -125,6 +129,8 @@ def _render_apply(console, r) -> None:
         console.print(f"removed {len(r.removed_pyc)} stale .pyc file(s)")
     if r.state_after:
         console.print(f"state       : [bold]{_styled(r.state_after)}[/]")
+    for note in r.notes:
+        console.print(f"[yellow]note[/]        : {note}")
 
 
 def _render_revert(console, r) -> None:

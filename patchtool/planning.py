@@ -37,6 +37,9 @@ class ApplyResult:
     hunks: list[FileResult] = field(default_factory=list)
     removed_pyc: list[str] = field(default_factory=list)
     state_after: str | None = None
+    # What the operator must know about the disk tier once this build serves
+    # (the same note `status` prints for a patched install).
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
