@@ -199,7 +199,7 @@ def cmd_status(args) -> int:
 
 def cmd_apply(args) -> int:
     from . import actions
-    from .classify import PATCHED, classify
+    from .classify import PATCHED, classify, disk_tier_note
     from .planning import refuse_state
     from .target import require_target
 
@@ -215,6 +215,8 @@ def cmd_apply(args) -> int:
                             accept_record_mismatch=args.accept_record_mismatch)
         if res.action == "applied":
             res.state_after = classify(disc, pset).state
+        if pset.manifest.state == "patch":
+            res.notes.append(disk_tier_note(pset.manifest))
     return _emit(args, "apply", res)
 
 
