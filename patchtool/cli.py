@@ -121,6 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: keep existing)")
     b.add_argument("--fixed-upstream", metavar="REASON",
                    help="mark this version as needing no patch, with a reason")
+    l2 = sub.add_parser("l2", help="disk-tier (fs L2 adapter) tools")
+    l2sub = l2.add_subparsers(dest="l2_command", required=True)
+    ls = l2sub.add_parser("scan", parents=[common, targeting], help="report the objects of an "
+                          "fs L2 tier this install never reads or reads wrongly")
+    ls.add_argument("dir", metavar="DIR", help="the fs L2 adapter's base_path")
+    ls.add_argument("--assume", metavar="pristine|kvlN", help="the reader to scan for, "
+                    "without a target install")
+    ls.add_argument("--quarantine", metavar="DEST", help="move the flagged objects into DEST "
+                    "(same filesystem; nothing is deleted)")
+    ls.add_argument("--only", metavar="LIST", help="with --quarantine: the categories to move "
+                    "(never-read,unpatched,size-mismatch; default: all)")
     return ap
 
 
@@ -340,9 +351,36 @@ def cmd_manifest(args) -> int:
     return _emit(args, "manifest", summary)
 
 
+def cmd_l2(args) -> int:
+    from . import l2scan, output
+
+    if args.only is not None and args.quarantine is None:
+        raise Refusal("--only", "applies only to --quarantine", ExitCode.USAGE)
+    if args.assume is not None:
+        if args.python or args.site_packages:
+            raise Refusal("--assume", "give --assume or a target (--python/--site-packages), "
+                          "not both", ExitCode.USAGE)
+        reader = l2scan.parse_assume(args.assume)
+    else:
+        from .classify import classify
+
+        with _session(args, writes=False) as (disc, pset, _):
+            st = classify(disc, pset, set_name=args.set_name)
+        reader = l2scan.reader_for(st, pset.manifest.l2_format if pset else None)
+    only = l2scan.parse_only(args.only)
+    res = l2scan.run(Path(args.dir), reader, Path(args.quarantine) if args.quarantine else None,
+                     only)
+    code = l2scan.exit_code(res)
+    if args.json:
+        output.emit_json("l2 scan", res, code)
+    else:
+        l2scan.render(res, code)
+    return int(code)
+
+
 COMMANDS = {"status": cmd_status, "apply": cmd_apply, "revert": cmd_revert,
             "verify": cmd_verify, "list": cmd_list, "manifest": cmd_manifest,
-            "wheel": cmd_wheel, "ci": cmd_ci}
+            "wheel": cmd_wheel, "ci": cmd_ci, "l2": cmd_l2}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,3 +47,7 @@ class ExitCode(IntEnum):
     # The filesystem refused a write (full disk, file-size limit, read-only
     # mount, I/O error): the transaction was rolled back, nothing changed.
     WRITE_FAILED = 19
+    # l2 scan: the fs L2 tier, as the command leaves it, holds objects this
+    # install never reads or reads wrongly (never-read, unpatched,
+    # size-mismatch); quarantine can move them aside.
+    L2_FLAGGED = 20

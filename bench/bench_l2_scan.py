@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Time ``patchtool l2 scan DIR --assume kvl1 --json`` against ``find``.
+
+Builds a flat fs-L2-like tier (default 1,000,000 files; sizes are set with
+``ftruncate``, so the files are sparse and use no data blocks) on a tmpfs
+(/dev/shm) when there is one, mixing plain, namespaced, unpatched (1/k),
+size-mismatched, never-read and salted objects plus some tmp/foreign files.
+Then, as fresh processes interleaved round by round (so load drift hits all
+equally), it times:
+
+* ``find DIR -type f | wc -l``: names only (getdents, no stat);
+* ``find DIR -type f -printf '%s %f\\n' | wc -l``: names and sizes, the same
+  information the scan reads (one stat per file);
+* the real CLI, ``python -m patchtool l2 scan DIR --assume kvl1 --json``.
+
+It prints the medians, rates and the ratios of the scan's rate to each
+find's, and the scan's peak RSS.  Usage:
+
+    .venv/bin/python bench/bench_l2_scan.py [--files N] [--rounds 3] [--dir D] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from patchtool.l2names import object_name  # noqa: E402
+
+MODEL_A, MODEL_B = "Qwen/Qwen3.5-0.8B", "meta-llama/Llama-3.1-8B"
+RANK = 0x01000100
+NS1, NS2 = "kvl1-3f2a9c0b1d4e", "kvl2-0123456789ab"
+FULL, HALF, OTHER = 4456448, 2228224, 8912896
+
+
+def _spec(i: int) -> tuple[str, int]:
+    """The i-th file: name and size.  Per 100 files: 40 namespaced kvl1
+    (model A, read), 20 plain model A at half size (unpatched, k=2), 24 plain
+    model B (1 of them a size mismatch), 10 namespaced kvl2 (never read),
+    4 salted plain model B, 1 tmp, 1 foreign."""
+    h, r = f"{i:016x}", i % 100
+    if r < 40:
+        return object_name(MODEL_A, RANK, 0, h, namespace=NS1), FULL
+    if r < 60:
+        return object_name(MODEL_A, RANK, 0, h), HALF
+    if r < 84:
+        return object_name(MODEL_B, RANK, 0, h), OTHER if r == 83 else FULL
+    if r < 94:
+        return object_name(MODEL_A, RANK, 0, h, namespace=NS2), FULL
+    if r < 98:
+        return object_name(MODEL_B, RANK, 1, h, salt=f"tenant{r}"), FULL
+    if r < 99:
+        return object_name(MODEL_B, RANK, 0, h)[:-5] + ".tmp", 10
+    return f"foreign-{i}.bin", 10
+
+
+def build(d: Path, n: int) -> float:
+    t0 = time.perf_counter()
+    d.mkdir(parents=True)
+    (d / "tmp").mkdir()
+    for i in range(n):
+        fname, size = _spec(i)
+        fd = os.open(d / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
+def _run(cmd: list[str] | str, shell: bool = False) -> tuple[float, int, int, str]:
+    """Seconds, exit code, peak RSS (KiB) of the process, its stdout."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, shell=shell, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    out = p.stdout.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    dt = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return dt, p.returncode, ru.ru_maxrss, out.decode()
+
+
+def _pick_dir(arg: str | None, n: int) -> Path:
+    if arg:
+        base = Path(arg)
+    else:
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    vfs = os.statvfs(base)
+    if vfs.f_favail and vfs.f_favail < n * 1.05 + 1000:
+        sys.exit(f"bench_l2_scan: {base}: only {vfs.f_favail} free inodes for {n} files; "
+                 "use --dir or a smaller --files")
+    return Path(tempfile.mkdtemp(prefix="bench-l2-", dir=base)) / "tier"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--files", type=int, default=1_000_000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", help="where to build the tier (default: /dev/shm, else $TMPDIR)")
+    ap.add_argument("--keep", action="store_true", help="keep the tier afterwards")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = ap.parse_args()
+    d = _pick_dir(args.dir, args.files)
+    try:
+        built = build(d, args.files)
+        fs = subprocess.run(["stat", "-f", "-c", "%T", str(d)], capture_output=True,
+                            text=True).stdout.strip()
+        cmds = {
+            "find | wc -l": (f"find '{d}' -type f | wc -l", True),
+            "find -printf %s | wc -l": (f"find '{d}' -type f -printf '%s %f\\n' | wc -l", True),
+            "l2 scan --json": ([sys.executable, "-m", "patchtool", "l2", "scan", str(d),
+                                "--assume", "kvl1", "--json"], False),
+        }
+        times: dict[str, list[float]] = {k: [] for k in cmds}
+        rss, scan_doc = 0, None
+        for _ in range(args.rounds):
+            for k, (cmd, shell) in cmds.items():
+                dt, rc, maxrss, out = _run(cmd, shell)
+                times[k].append(dt)
+                if k == "l2 scan --json":
+                    if rc not in (0, 20):
+                        sys.exit(f"bench_l2_scan: the scan exited {rc}")
+                    rss, scan_doc = max(rss, maxrss), json.loads(out)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        res = scan_doc["result"]
+        files = args.files
+        fig = {
+            "date": time.strftime("%Y-%m-%d", time.gmtime()), "files": files, "fs": fs,
+            "cpus": os.cpu_count(), "rounds": args.rounds, "build_s": round(built, 1),
+            "median_s": {k: round(v, 3) for k, v in med.items()},
+            "rate_files_per_s": {k: round(files / v) for k, v in med.items()},
+            "ratio_scan_to_find_count": round(med["find | wc -l"] / med["l2 scan --json"], 3),
+            "ratio_scan_to_find_sizes": round(med["find -printf %s | wc -l"]
+                                              / med["l2 scan --json"], 3),
+            "scan_peak_rss_mib": round(rss / 1024, 1),
+            "scan_objects": res["objects"], "scan_flagged": res["flagged_objects"],
+            "scan_exit": scan_doc["exit_code"],
+        }
+        if args.json:
+            print(json.dumps(fig, indent=2))
+        else:
+            print(f"{files} files on {fs} ({fig['cpus']} CPUs), built in {built:.1f} s; "
+                  f"medians of {args.rounds} interleaved rounds:")
+            for k in cmds:
+                print(f"  {k:<26} {med[k]:7.3f} s  {files / med[k]:>12,.0f} files/s")
+            print(f"  scan rate / find (names only) rate : {fig['ratio_scan_to_find_count']:.2f}x")
+            print(f"  scan rate / find -printf %s rate   : {fig['ratio_scan_to_find_sizes']:.2f}x")
+            print(f"  scan peak RSS {fig['scan_peak_rss_mib']} MiB; {res['objects']} objects, "
+                  f"{res['flagged_objects']} flagged (exit {scan_doc['exit_code']})")
+    finally:
+        if not args.keep:
+            shutil.rmtree(d.parent, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
