@@ -21,8 +21,9 @@ def series(version: str) -> list[Path]:
 
 
 def ports_harness(version: str, patched: bool, cells: tuple[str, ...], options: list[str],
-                  timeout: float = 1800) -> dict:
-    """The harness's JSON report for ``cells``; asserts it ran the overlay."""
+                  timeout: float = 1800, stderr: list[str] | None = None) -> dict:
+    """The harness's JSON report for ``cells``; asserts it ran the overlay.
+    ``stderr``, when given, receives the run's stderr (LMCache's log)."""
     venv = provision.runtime_env(version)
     overlay = provision.overlay(version, series(version) if patched else None)
     args = [str(venv / "bin" / "python"), "-m", "lmcache_patchtool_verify.ports_roundtrip",
@@ -32,6 +33,8 @@ def ports_harness(version: str, patched: bool, cells: tuple[str, ...], options: 
     env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}")
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    if stderr is not None:
+        stderr.append(proc.stderr)
     doc = json.loads(proc.stdout)
     root = doc["lmcache"]["root"]
     assert Path(root).resolve() == overlay.resolve(), f"ran {root}, not the overlay {overlay}"
