@@ -635,10 +635,10 @@ def render(res: ScanResult, code: int) -> None:
             con.print(f"    [red]{_flag(f)}[/], e.g. {f.example}")
     for c, tot in res.flagged.items():
         if tot.objects:
-            con.print(f"[red]{c:<12}[/]: {tot.objects} object(s), {_size(tot.bytes)}")
+            con.print(f"[red]{c:<13}[/]: {tot.objects} object(s), {_size(tot.bytes)}")
     if res.foreign:
         more = f" (first {len(res.foreign_names)})" if res.foreign > len(res.foreign_names) else ""
-        con.print(f"foreign{more}: " + ", ".join(res.foreign_names))
+        con.print(f"foreign{more:<5}: " + ", ".join(res.foreign_names))
     q = res.quarantine
     if q is not None:
         how = " (finished an interrupted run)" if q.resumed else ""

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -393,6 +395,7 @@ def test_dest_on_another_filesystem_is_refused(tmp_path, tier):
         one_line(r, 3, dest, "another filesystem", "rename")
         assert not dest.exists() and tree(tier.dir) == tier.before
     finally:
+        shutil.rmtree(dest, ignore_errors=True)  # only if the refusal failed
         if other.name == "mnt":
             subprocess.run(["umount", str(other)], check=False)
 
@@ -571,3 +574,26 @@ def test_torn_journal_line_is_ignored(tmp_path, tier):
     lines = (q / l2scan.JOURNAL).read_text().splitlines()
     assert lines[0].endswith("/else") and lines[1].startswith('{"dir"')
     _check_split(tier.dir, q, tier.before)
+
+
+def test_never_imports_torch_vllm_or_lmcache(tier):
+    """A scan and a quarantine run in a process whose import hook records
+    every attempt to import a heavy package (installed or not, caught or
+    not): there is none."""
+    code = ("import sys, io, contextlib\n"
+            "seen = []\n"
+            "class Guard:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.partition('.')[0] in ('torch', 'vllm', 'lmcache'):\n"
+            "            seen.append(name)\n"
+            "            raise ImportError(name)\n"
+            "sys.meta_path.insert(0, Guard())\n"
+            "from patchtool.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    rc = main(['l2', 'scan', {str(tier.dir)!r}, '--assume', 'kvl1', '--json',"
+            f" '--quarantine', {str(tier.dir.parent / 'q')!r}])\n"
+            f"    main(['l2', 'scan', {str(tier.dir)!r}, '--assume', 'pristine'])\n"
+            "print(rc, seen)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0 and r.stdout.strip() == "0 []", (r.stdout, r.stderr)
