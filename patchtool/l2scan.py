@@ -56,6 +56,7 @@ REFUSED_LISTED = 100
 # take hours on a disk; the journal is a record of intent, the filesystem
 # (where each name is) is the truth, so a batch loses nothing on a crash.
 BATCH = 512
+MAX_PASSES = 10
 
 
 # ---------------------------------------------------------------- the reader
@@ -477,7 +478,8 @@ def quarantine(src: Path, dest: Path, plan: Plan, only: list[str], reader: TierR
        (``move``) and fsynced, then each is renamed into DEST: an object is
        in exactly one place after every rename;
     3. passes repeat until one moves nothing (a directory changed while it is
-       read may hide entries); both directories are fsynced; ``end``.
+       read may hide entries), at most :data:`MAX_PASSES`; both directories
+       are fsynced; ``end``.
 
     A re-run of the same command finds the unfinished ``begin`` and finishes
     its plan; objects already in DEST are no longer in DIR, so nothing moves
@@ -490,10 +492,12 @@ def quarantine(src: Path, dest: Path, plan: Plan, only: list[str], reader: TierR
     open_run = _unfinished(records)
     src_real = os.path.realpath(src)
     if open_run is not None:
-        if open_run.get("dir") != src_real or open_run.get("only") != only:
+        if (open_run.get("dir"), open_run.get("only"), open_run.get("reader")) != \
+                (src_real, only, reader.detail):
             raise Refusal(journal.path, f"holds an unfinished quarantine of "
-                          f"{open_run.get('dir')} (--only {','.join(open_run.get('only', []))}): "
-                          "re-run that command to finish it first")
+                          f"{open_run.get('dir')} (--only {','.join(open_run.get('only', []))}; "
+                          f"reader: {open_run.get('reader')}): re-run that command to finish "
+                          "it first")
         todo = {(p, s): (c, k) for p, s, c, k in open_run["plan"]}
         run, resumed = str(open_run["run"]), True
     else:
@@ -516,10 +520,12 @@ def quarantine(src: Path, dest: Path, plan: Plan, only: list[str], reader: TierR
                              "plan": [[p, s, c, k] for (p, s), (c, k) in sorted(
                                  todo.items(), key=lambda i: (i[0][0], i[0][1] or -1))]}])
         refused: set[str] = set()
-        while True:
+        # Another pass only after one that moved something; capped, so a
+        # live writer still storing wrong-layout objects is not chased
+        # forever (what it adds later stays flagged for the next run).
+        while res.passes < MAX_PASSES:
             res.passes += 1
-            moved = _one_pass(src, dest, journal, run, by_prefix, refused, res)
-            if not moved:
+            if not _one_pass(src, dest, journal, run, by_prefix, refused, res):
                 break
         for d in (dest, src):
             fsio.fsync_dir(d)

@@ -562,6 +562,8 @@ def test_unfinished_run_of_another_command_is_refused(tmp_path, tier):
     r = cli("l2", "scan", str(t.dir), "--assume", "kvl1", "--quarantine", str(q), "--only",
             "never-read")
     one_line(r, 3, q / l2scan.JOURNAL, "unfinished quarantine")
+    r = cli("l2", "scan", str(t.dir), "--assume", "pristine", "--quarantine", str(q))
+    one_line(r, 3, q / l2scan.JOURNAL, "unfinished quarantine", "reader: --assume kvl1")
     assert (q / l2scan.JOURNAL).read_bytes() == j and tree(tier.dir) == tier.before
 
 
