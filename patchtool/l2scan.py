@@ -281,7 +281,7 @@ def categorize(t: Tally, reader: TierReader) -> tuple[list[ObjectSet], Plan]:
                 for ns, ref in sorted(refs.get((k.model, k.kv_rank, k.object_group), []),
                                       key=lambda r: (not r[0].startswith(
                                           f"kvl{reader.layout_format}-"), r[0])):
-                    if s < ref and ref % s == 0:
+                    if 0 < s < ref and ref % s == 0:  # an empty file is no 1/k of anything
                         b = rest.pop(s)
                         row.flagged.append(Flag(UNPATCHED, s, b[0], s * b[0], b[1], ref,
                                                 ref // s, ns))

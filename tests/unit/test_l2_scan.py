@@ -233,6 +233,19 @@ def test_unpatched_needs_an_integer_ratio_and_the_same_kv_rank(tmp_path):
     assert rc == 0, doc["result"]["sets"]
 
 
+def test_empty_object_is_a_size_mismatch(tmp_path):
+    d = tmp_path / "t"
+    d.mkdir()
+    put(d, name(0, 1, NS1), 1024)
+    for i in range(2):
+        put(d, name(0, 10 + i), 1024)
+    put(d, name(0, 20), 0)  # e.g. a file a crashed foreign copy left empty
+    rc, doc = scan_json(d, "--assume", "kvl1")
+    flags = [f for s in doc["result"]["sets"] for f in s["flagged"]]
+    assert rc == FLAGGED and [(f["category"], f["size"]) for f in flags] == \
+        [("size-mismatch", 0)]
+
+
 def test_dominant_size_tie_flags_the_larger(tmp_path):
     d = tmp_path / "t"
     d.mkdir()
@@ -599,3 +612,15 @@ def test_never_imports_torch_vllm_or_lmcache(tier):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=Path(__file__).resolve().parents[2])
     assert r.returncode == 0 and r.stdout.strip() == "0 []", (r.stdout, r.stderr)
+
+
+def test_reader_from_python_target(tmp_path, venv, patch_root):
+    """``--python`` resolves the target as ``status`` does (a probe of that
+    interpreter; lmcache is never imported)."""
+    d = tmp_path / "t"
+    d.mkdir()
+    put(d, name(0, 1, NS1), 64)
+    rc, doc = scan_json(d, "--python", str(venv / "bin" / "python"), patches=patch_root)
+    assert rc == FLAGGED and doc["result"]["reader"]["source"] == "install"
+    assert doc["result"]["reader"]["detail"].startswith("pristine lmcache 9.9.9")
+    assert doc["result"]["flagged"]["never-read"]["objects"] == 1
