@@ -14,9 +14,12 @@ equally), it times:
 * the real CLI, ``python -m patchtool l2 scan DIR --assume kvl1 --json``.
 
 It prints the medians, rates and the ratios of the scan's rate to each
-find's, and the scan's peak RSS.  Usage:
+find's, and the scan's peak RSS.  With ``--quarantine`` it then times one
+``--quarantine`` run (into a sibling of the tier, so it moves the flagged
+31% once).  Usage:
 
     .venv/bin/python bench/bench_l2_scan.py [--files N] [--rounds 3] [--dir D] [--keep]
+                                            [--quarantine] [--json]
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ def main() -> int:
     ap.add_argument("--dir", help="where to build the tier (default: /dev/shm, else $TMPDIR)")
     ap.add_argument("--keep", action="store_true", help="keep the tier afterwards")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--quarantine", action="store_true", help="also time one --quarantine run")
     args = ap.parse_args()
     d = _pick_dir(args.dir, args.files)
     try:
@@ -146,6 +150,13 @@ def main() -> int:
             "scan_objects": res["objects"], "scan_flagged": res["flagged_objects"],
             "scan_exit": scan_doc["exit_code"],
         }
+        if args.quarantine:
+            dt, rc, _, out = _run([sys.executable, "-m", "patchtool", "l2", "scan", str(d),
+                                   "--assume", "kvl1", "--json", "--quarantine",
+                                   str(d.parent / "quarantine")])
+            q = json.loads(out)["result"]["quarantine"]
+            fig["quarantine"] = {"seconds": round(dt, 3), "exit": rc, "moved": q["moved"],
+                                 "passes": q["passes"]}
         if args.json:
             print(json.dumps(fig, indent=2))
         else:
@@ -157,6 +168,10 @@ def main() -> int:
             print(f"  scan rate / find -printf %s rate   : {fig['ratio_scan_to_find_sizes']:.2f}x")
             print(f"  scan peak RSS {fig['scan_peak_rss_mib']} MiB; {res['objects']} objects, "
                   f"{res['flagged_objects']} flagged (exit {scan_doc['exit_code']})")
+            if args.quarantine:
+                q = fig["quarantine"]
+                print(f"  --quarantine: moved {q['moved']} in {q['seconds']:.2f} s "
+                      f"({q['passes']} passes over DIR, exit {q['exit']})")
     finally:
         if not args.keep:
             shutil.rmtree(d.parent, ignore_errors=True)
