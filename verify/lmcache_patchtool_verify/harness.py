@@ -509,7 +509,9 @@ def run_cell(cell: Cell, opts: Options) -> dict:
     # The pool fits unwindowed objects too (LMCache's CPU cache context sizes the
     # object's GDN segment for the whole chunk; CUDA's for the window only).
     pool_obj = full_fa_seg + len(gdn_layers) * C * gdn_token_bytes
-    sm = FakeStorageManager(cell.num_chunks * (pool_obj + 2 * FakeStorageManager.GAP + 256) + 2 * FakeStorageManager.GAP,
+    # (room for one object per kernel kind and chunk: a server may separate them)
+    sm = FakeStorageManager(cell.num_chunks * (pool_obj + 2 * (2 * FakeStorageManager.GAP + 256))
+                            + 2 * FakeStorageManager.GAP,
                             opts.guards, pinned=tensor_device == "cuda")
     ctx = _fake_server_context(C, sm)
     guards.VIOLATIONS.clear()
@@ -548,9 +550,21 @@ def run_cell(cell: Cell, opts: Options) -> dict:
         result["kernel_groups"] = kg_info
         if "mixed" in kg_kind:
             raise RuntimeError(f"unexpected kernel grouping: {kg_info}")
-        if mgr.num_object_groups != 1:
-            raise RuntimeError(f"expected one object group, got {mgr.num_object_groups}")
-        og_kgs = list(mgr.object_groups[0].kernel_group_indices)
+        # One object group (LMCache's default) or several: a server that writes
+        # a hybrid's groups separately (0.5.4+ with the series' part 06, or
+        # --separate-object-groups).  Per chunk, the objects of all groups are
+        # analysed together, in object-group order, as one byte string: for a
+        # merged object that is the object itself, so hashes compare across both.
+        og_kgs_all = [list(og.kernel_group_indices) for og in mgr.object_groups]
+        result["object_groups"] = og_kgs_all
+        # A separate windowed object group (Mamba/GDN state: one chunk) is
+        # retrieved only for the last ``window`` chunks of the request: the
+        # state at the end of the hit is all the engine needs.  Merged objects
+        # report one full-attention window.
+        og_window = [int(w) for w in mgr.get_attn_desc().num_chunks_in_sw] if len(og_kgs_all) > 1 \
+            else [-1]
+        og_of_kind = {kg_kind[kgi]: og for og, kgs in enumerate(og_kgs_all) for kgi in kgs}
+        result["object_group_windows"] = og_window
         registry = ctx.layout_desc_registry.find(MODEL, 1)
         result["registry_layout"] = {"shapes": [list(s) for s in registry.shapes],
                                      "dtypes": [str(d) for d in registry.dtypes]} if registry else None
@@ -630,6 +644,9 @@ def run_cell(cell: Cell, opts: Options) -> dict:
             # other requested positions are "not restored": poison stays there
             # (checked below: any write into them must be the true bytes).
             exp_pos = geometry.kept_positions(info_of[kind], cell.chunk_blocks, req_pos)
+            window = og_window[og_of_kind[kind]]
+            if window >= 1:
+                exp_pos = [p for p in exp_pos if p // cell.chunk_blocks >= cell.num_chunks - window]
             if kind == "fa" and exp_pos != req_pos:
                 raise RuntimeError(f"FA group declared a window: {info_of[kind]}")
             off_pos = [p for p in req_pos if p not in set(exp_pos)]
@@ -690,30 +707,35 @@ def run_cell(cell: Cell, opts: Options) -> dict:
                           for a, b in zip(src.raw, src_before))
 
         # ---- host objects ----
-        keys = ctx.resolve_obj_keys(store_key, [0])[0]
+        keys_per_og = ctx.resolve_obj_keys(store_key, list(range(len(og_kgs_all))))
         objects = []
         seg_info = None
-        fa_seg = None
-        for ci, key in enumerate(keys):
-            obj = sm.objs.get(key)
-            if obj is None:
+        fa_seg = None  # (object group, offset, nbytes) of the FA segment
+        for ci in range(len(keys_per_og[0])):
+            parts = [(og, sm.objs.get(keys_per_og[og][ci])) for og in range(len(og_kgs_all))]
+            if any(obj is None for _, obj in parts):
                 objects.append(None)
                 continue
-            raw = obj.raw_data[:obj.get_size()]
+            raw = torch.cat([obj.raw_data[:obj.get_size()] for _, obj in parts]) if len(parts) > 1 \
+                else parts[0][1].raw_data[:parts[0][1].get_size()]
             segs = []
             off = 0
-            for kgi, shape, dtype in zip(og_kgs, obj.meta.shapes, obj.meta.dtypes):
+            for og, kgi, shape, dtype in [(og, kgi, shape, dtype) for og, obj in parts
+                                          for kgi, shape, dtype in zip(og_kgs_all[og], obj.meta.shapes,
+                                                                       obj.meta.dtypes)]:
                 nbytes = torch.Size(shape).numel() * dtype.itemsize
                 kind = kg_kind[kgi]
                 full = full_fa_seg if kind == "fa" else full_gdn_seg
-                seg = {"kernel_group": kgi, "kind": kind, "offset": off, "nbytes": nbytes, "shape": list(shape),
+                seg = {"object_group": og, "kernel_group": kgi, "kind": kind, "offset": off, "nbytes": nbytes,
+                       "shape": list(shape),
                        "dtype": str(dtype), "full_nbytes": full, "ratio": nbytes / full if full else None}
                 if opts.hashes:
                     seg["sha256"] = _sha(raw[off:off + nbytes])
                 chunk_ids = src_ids[kind][ci * cell.chunk_blocks:(ci + 1) * cell.chunk_blocks]
                 seg_bytes = raw[off:off + nbytes]
                 if kind == "fa":
-                    fa_seg = (off, nbytes)
+                    og_off = off - sum(o.get_size() for g, o in parts if g < og)
+                    fa_seg = (og, og_off, nbytes)
                     src_fa = [src.raw[i] for i in fa_layers]
                     matches = []
                     for rule in ("pass-major", "pristine"):
@@ -745,7 +767,9 @@ def run_cell(cell: Cell, opts: Options) -> dict:
             # unused tail of a windowed GDN segment (CPU cache context), whose
             # content is stale staging memory (nonzero and run-dependent on 0.5.6).
             used = [raw[sg["offset"]:sg["offset"] + sg["nbytes"] - sg.get("unused_tail_bytes", 0)] for sg in segs]
-            objects.append({"chunk": ci, "size": obj.get_size(), "full_size": full_obj, "address": obj.meta.address,
+            objects.append({"chunk": ci, "size": sum(o.get_size() for _, o in parts), "full_size": full_obj,
+                            "address": parts[0][1].meta.address,
+                            "object_sizes": [o.get_size() for _, o in parts],
                             "sha256": _sha(raw) if opts.hashes else None,
                             "sha256_used": (_sha(torch.cat(used)) if len(used) > 1 else _sha(used[0]))
                             if opts.hashes and used else None,
@@ -766,8 +790,10 @@ def run_cell(cell: Cell, opts: Options) -> dict:
         result["groups"] = groups
         result["object_ratio"] = (ok_objs[0]["size"] / full_obj) if ok_objs else None
         if registry is not None and ok_objs:
+            # the registry's descriptor is object group 0's (LMCache's ``layout_desc``)
             reg_size = sum(torch.Size(s).numel() * d.itemsize for s, d in zip(registry.shapes, registry.dtypes))
-            result["registry_object_bytes"] = reg_size
+            result["registry_object_bytes"] = reg_size if len(og_kgs_all) == 1 else None
+            result["registry_object_group0_bytes"] = reg_size
         result["src_mutated_bytes"] = src_mutated
         result["host_canary_damage_bytes"] = sm.canary_damage()
 
@@ -777,17 +803,40 @@ def run_cell(cell: Cell, opts: Options) -> dict:
             snaps_equal = all(guards.snapshot(sm.objs[key]) == snap for key, snap in sm.snapshots.items())
             g["frozen_meta"] = {"violations": list(guards.VIOLATIONS), "snapshots_equal": snaps_equal,
                                 "ok": not guards.VIOLATIONS and snaps_equal}
-            obj_desc = []
             bs = cc.max_batch_size
-            for ci, key in enumerate(keys):
-                obj = sm.objs.get(key)
-                batch_end_tok = min((ci // bs + 1) * bs, cell.num_chunks) * C
-                obj_desc.append({"ptr": obj.data_ptr if obj else -1, "address": obj.meta.address if obj else -1,
-                                 "size": obj.get_size() if obj else 0, "copied": obj is not None,
-                                 "copied_h2d": obj is not None and batch_end_tok > skip_tokens})
+            descs = []
+            for og, og_keys in enumerate(keys_per_og):
+                obj_desc = []
+                for ci, key in enumerate(og_keys):
+                    obj = sm.objs.get(key)
+                    batch_end_tok = min((ci // bs + 1) * bs, cell.num_chunks) * C
+                    in_window = og_window[og] < 1 or ci >= cell.num_chunks - og_window[og]
+                    obj_desc.append({"ptr": obj.data_ptr if obj else -1,
+                                     "address": obj.meta.address if obj else -1,
+                                     "size": obj.get_size() if obj else 0, "copied": obj is not None,
+                                     "copied_h2d": obj is not None and batch_end_tok > skip_tokens
+                                     and in_window})
+                descs.append(obj_desc)
             page = full_fa_seg // k if fa_seg else None
-            d2h = recorder.analyse("d2h", obj_desc, fa_seg, page, k)
-            h2d = recorder.analyse("h2d", [dict(o, copied=o["copied_h2d"]) for o in obj_desc], fa_seg, page, k)
+            d2h, h2d = {}, {}
+            for og, obj_desc in enumerate(descs):
+                others = [o for g2, d in enumerate(descs) if g2 != og for o in d if o["size"]]
+                og_fa = fa_seg[1:] if fa_seg and fa_seg[0] == og else None
+                d2h_og = recorder.analyse("d2h", obj_desc, og_fa, page, k, elsewhere=others)
+                h2d_og = recorder.analyse("h2d", [dict(o, copied=o["copied_h2d"]) for o in obj_desc], og_fa,
+                                          page, k, elsewhere=others)
+                if len(descs) == 1:
+                    d2h, h2d = d2h_og, h2d_og
+                else:
+                    d2h[f"object_group_{og}"], h2d[f"object_group_{og}"] = d2h_og, h2d_og
+            if len(descs) > 1:
+                for side in (d2h, h2d):
+                    per_og = [v for v in side.values() if isinstance(v, dict)]
+                    side["ok"] = all(v["ok"] for v in per_og)
+                    side["problems"] = [p for v in per_og for p in v["problems"]]
+                    fa_side = [v for v in per_og if "fa_per_page_tiling" in v]
+                    if fa_side:
+                        side["fa_per_page_tiling"] = fa_side[0]["fa_per_page_tiling"]
             g["copies"] = {"d2h": d2h, "h2d": h2d, "ok": d2h["ok"] and h2d["ok"],
                            "paths_seen": sorted({r["path"] for r in recorder.records})}
             g["ok"] = g["frozen_meta"]["ok"] and g["copies"]["ok"]
@@ -801,7 +850,7 @@ def run_cell(cell: Cell, opts: Options) -> dict:
 
         # ---- dump for out-of-process checks ----
         if opts.dump_dir:
-            _dump(Path(opts.dump_dir), cell, geo, src, sm, keys, result)
+            _dump(Path(opts.dump_dir), cell, geo, src, sm, keys_per_og, result)
 
         # ---- verdict ----
         reasons = []
@@ -842,16 +891,18 @@ def run_cell(cell: Cell, opts: Options) -> dict:
     return result
 
 
-def _dump(root: Path, cell: Cell, geo, src, sm, keys, result) -> None:
-    """Raw bytes for out-of-process format checks (tests/verify)."""
+def _dump(root: Path, cell: Cell, geo, src, sm, keys_per_og, result) -> None:
+    """Raw bytes for out-of-process format checks (tests/verify): per chunk the
+    objects of every object group, concatenated in object-group order."""
     d = root / cell.name.replace("/", "_")
     d.mkdir(parents=True, exist_ok=True)
     for li, t in enumerate(src.raw):
         (d / f"src_layer{li}.bin").write_bytes(t.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
-    for ci, key in enumerate(keys):
-        obj = sm.objs.get(key)
-        if obj is not None:
-            (d / f"object{ci}.bin").write_bytes(obj.raw_data[:obj.get_size()].numpy().tobytes())
+    for ci in range(len(keys_per_og[0])):
+        objs = [sm.objs.get(keys[ci]) for keys in keys_per_og]
+        if all(obj is not None for obj in objs):
+            (d / f"object{ci}.bin").write_bytes(b"".join(obj.raw_data[:obj.get_size()].numpy().tobytes()
+                                                         for obj in objs))
     manifest = {"cell": asdict(cell), "geometry": geo.to_json(), "layer_kinds": list(geo.layer_kinds),
                 "num_logical_blocks_cache": result["num_logical_blocks_cache"], "C": result["C"],
                 "ids": result["ids"], "segments": result["segments_layout"]}

@@ -117,14 +117,20 @@ class CopyRecorder:
             mod.lmcache_memcpy_async_d2h, mod.lmcache_memcpy_async_h2d = orig_d2h, orig_h2d
 
     def analyse(self, direction: str, objects: list[dict], fa_segment: tuple[int, int] | None,
-                fa_page_bytes: int | None, k: int = 1) -> dict:
+                fa_page_bytes: int | None, k: int = 1,
+                elsewhere: list[dict] | None = None) -> dict:
         """Check this direction's windows against the base objects.
 
         ``objects``: per chunk ``{"ptr", "address", "size", "copied"}`` (``copied``:
         whether this direction is expected to touch the object at all).
         ``fa_segment``: (offset, nbytes) of the FA kernel group inside an object.
+        ``elsewhere``: the objects of the model's OTHER object groups (a server
+        that writes a hybrid's groups separately); copies into them are checked
+        by their own call, not reported here as outside every object.
         """
-        recs = [r for r in self.records if r["dir"] == direction]
+        others = elsewhere or []
+        recs = [r for r in self.records if r["dir"] == direction
+                and not any(o["ptr"] <= r["ptr"] < o["ptr"] + o["size"] for o in others)]
         problems: list[str] = []
         per_obj: list[list[tuple[int, int]]] = [[] for _ in objects]
         for r in recs:
