@@ -51,6 +51,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from lmcache_patchtool_verify import geometry, procs
+from lmcache_patchtool_verify.xver_outcome import classify
+from lmcache_patchtool_verify.xver_outcome import preset as gate_preset
+from lmcache_patchtool_verify.xver_state import STATE_SCHEMA, expected_digest, l2_listing, regenerate_expected
 
 SCHEMA = 1
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
@@ -198,9 +201,13 @@ def prefetch_split(log_text: str, request_id: str) -> dict[str, int] | None:
 
 
 def l2_objects(l2_dir: Path, model: str) -> list[Path]:
-    """Finished objects of ``model`` in the fs L2 (written as .tmp, renamed to .data)."""
-    prefix = model.replace("/", "-SEP-") + "@"
-    return sorted(p for p in l2_dir.glob("*.data") if p.name.startswith(prefix))
+    """Finished objects of ``model`` in the fs L2 (written as .tmp, renamed to .data).
+
+    The model field is ``model`` or, where a build keys by layout, ``model+<namespace>``
+    (``+`` never occurs in the gate's own model names)."""
+    safe = model.replace("/", "-SEP-")
+    return sorted(p for p in l2_dir.glob("*.data")
+                  if p.name.startswith(safe + "@") or p.name.startswith(safe + "+"))
 
 
 # ---------------------------------------------------------------------------
@@ -226,6 +233,9 @@ class PresetRun:
     expected: dict = field(default_factory=dict)
     client1: Any = None
     num_blocks: int = 0
+    # --phase restore: which writer stored it, and its entry in the writer's state file
+    writer: str = ""
+    state_entry: dict = field(default_factory=dict)
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -249,7 +259,7 @@ def plan_cycles(names: list[str], chunk_blocks: int, chunk_size: int | None) -> 
     """Group presets by chunk size (one server pair per group), in given order."""
     cycles: dict[int, list[str]] = {}
     for name in names:
-        geo = geometry.preset(name)
+        geo = gate_preset(name)
         c = chunk_size if chunk_size else chunk_blocks * geo.tokens_per_block
         if c % geo.tokens_per_block:
             raise SystemExit(f"--chunk-size {c} is not a multiple of {name}'s block size {geo.tokens_per_block}")
@@ -294,51 +304,62 @@ class Gate:
     def run(self) -> None:
         self.gc = None
         args = self.args
+        if args.phase == "restore":
+            self._run_restore_phase()
+            return
         cycles = plan_cycles(args.preset, args.chunk_blocks, args.chunk_size)
         with procs.Supervisor(keep_paths=args.keep_tmp) as sup:
             self.sup = sup
             for n, (chunk, names) in enumerate(cycles, 1):
-                runs = [PresetRun(geometry.preset(name), chunk, args.chunks, args.seed) for name in names]
+                runs = [PresetRun(gate_preset(name), chunk, args.chunks, args.seed) for name in names]
                 self.runs.extend(runs)
                 self.d.head(f"[cycle {n}/{len(cycles)}] chunk size {chunk} tokens: {', '.join(names)}")
-                self._cycle(n, chunk, runs)
+                if args.phase == "store":
+                    self._store_cycle(n, chunk, runs)
+                else:
+                    self._cycle(n, chunk, runs)
             self.cleanup_errors = sup.cleanup_errors
+        if args.phase == "store":
+            self._write_state()
 
     # -- one server pair -----------------------------------------------------
-    def _cycle(self, n: int, chunk: int, runs: list[PresetRun]) -> None:
-        args, d, sup = self.args, self.d, self.sup
+    def _new_cycle(self, n: int, chunk: int, runs: list[PresetRun]) -> dict[str, Any]:
         cycle: dict[str, Any] = {"cycle": n, "chunk_size": chunk, "presets": [r.geo.name for r in runs],
                                  "timings": {}, "servers": []}
         self.cycles.append(cycle)
-        workdir = sup.tempdir(prefix="lmcache-restore-gate-")
-        l2_dir = workdir / "l2"
-        l2_dir.mkdir()
-        cycle["workdir"] = str(workdir)
-        l1_gb = args.l1_size_gb or max(1.0, 2.5 * sum(r.full_object_bytes() * r.chunks for r in runs) / 2**30)
-        spec = None
+        return cycle
 
-        # 1. first server (retry with fresh ports if one was taken meanwhile)
-        with self.phase(cycle, "server_start_1"):
+    def _l1_gb(self, runs: list[PresetRun]) -> float:
+        return self.args.l1_size_gb or max(1.0, 2.5 * sum(r.full_object_bytes() * r.chunks for r in runs) / 2**30)
+
+    def _start_server(self, cycle: dict[str, Any], chunk: int, l1_gb: float, l2_dir: Path, workdir: Path,
+                      label: str, timing: str) -> tuple[procs.ManagedProcess, ServerSpec]:
+        """A server on fresh ports (retried if a port was taken meanwhile)."""
+        with self.phase(cycle, timing):
             for attempt in range(3):
                 zp, hp = procs.free_ports(2)
                 spec = ServerSpec(zp, hp, chunk, round(l1_gb, 2), l2_dir, workdir)
-                server = launch_server(sup, spec, "A")
+                server = launch_server(self.sup, spec, label)
                 cycle["servers"].append(server.describe())
                 self._import_client()  # torch + lmcache load while the server boots
                 try:
-                    await_server(server, spec, args.server_timeout)
+                    await_server(server, spec, self.args.server_timeout)
                     break
                 except procs.StartupError as exc:
                     cycle["servers"][-1] = server.describe()
                     if attempt == 2 or "address already in use" not in str(exc).lower():
-                        raise GateError(f"server A did not start: {exc}") from exc
-        cycle["servers"][-1] = self._server_desc(server, spec, "A")
-        d.step(f"server A up: pid {server.pid}, {spec.zmq_url}, ready by {HEALTH_PATH} on :{spec.http_port}",
-               server.ready_at - server.started_at)
+                        raise GateError(f"server {label} did not start: {exc}") from exc
+        cycle["servers"][-1] = self._server_desc(server, spec, label)
+        self.d.step(f"server {label} up: pid {server.pid}, {spec.zmq_url}, ready by {HEALTH_PATH} on "
+                    f":{spec.http_port}", server.ready_at - server.started_at)
+        return server, spec
 
-        # 2. store through a first client per preset
+    def _store_all(self, cycle: dict[str, Any], runs: list[PresetRun], spec: ServerSpec,
+                   server: procs.ManagedProcess, model_prefix: str) -> None:
+        """Store through a first client per preset."""
+        d = self.d
         for r in runs:
-            r.model = f"restore-gate-{r.geo.name}-{uuid.uuid4().hex[:8]}"
+            r.model = f"{model_prefix}-{r.geo.name}-{uuid.uuid4().hex[:8]}"
             with self.phase(cycle, "register_fill"):
                 self._guard(r, "register+fill", lambda r=r: self._prepare_source(r, spec))
             with self.phase(cycle, "store"):
@@ -350,7 +371,9 @@ class Gate:
                        f"({r.stored_tokens} tokens, {r.blocks_per_chunk} blocks/chunk, k={r.geo.k})",
                        st["seconds"], st["ok"])
 
-        # 3. every chunk on disk
+    def _flush(self, cycle: dict[str, Any], runs: list[PresetRun], l2_dir: Path,
+               server: procs.ManagedProcess) -> None:
+        """Wait until every chunk is a finished object in the L2 directory."""
         with self.phase(cycle, "flush_to_disk"):
             t0 = time.monotonic()
             want = {r.model: r.chunks for r in runs if not r.error}
@@ -361,7 +384,7 @@ class Gate:
                     and not list(l2_dir.glob("*.tmp"))
 
             try:
-                procs.wait_until(flushed, args.step_timeout, poll=0.02, what="every chunk on disk")
+                procs.wait_until(flushed, self.args.step_timeout, poll=0.02, what="every chunk on disk")
                 flushed_ok = True
             except TimeoutError:
                 flushed_ok = False
@@ -372,18 +395,50 @@ class Gate:
                 sizes = sorted({p.stat().st_size for p in objs})
                 r.result["on_disk"] = {"objects": len(objs), "expected": r.chunks, "object_bytes": sizes,
                                        "full_fidelity_object_bytes": r.full_object_bytes(),
-                                       "fraction_of_full": (sizes[0] / r.full_object_bytes()) if sizes else None}
-            d.step(f"L2 flushed: {sum(len(l2_objects(l2_dir, m)) for m in want)}/{sum(want.values())} objects "
-                   f"on disk in {l2_dir}", time.monotonic() - t0, flushed_ok)
+                                       "fraction_of_full": (sizes[0] / r.full_object_bytes()) if sizes else None,
+                                       "model_fields": l2_listing(objs)}
+            self.d.step(f"L2 flushed: {sum(len(l2_objects(l2_dir, m)) for m in want)}/{sum(want.values())} "
+                        f"objects on disk in {l2_dir}", time.monotonic() - t0, flushed_ok)
 
-        # 4. hard kill
+    def _kill(self, cycle: dict[str, Any], server: procs.ManagedProcess, label: str) -> dict[str, Any]:
         with self.phase(cycle, "kill"):
             t_kill = time.monotonic()
             kill = kill_server(server)
         cycle["servers"][-1]["kill"] = kill
-        d.step(f"server A SIGKILLed: reaped (rc {kill['returncode']}), group gone, "
-               f"L1 segment {'removed' if kill['l1_shm_left_by_kill'] else 'not left'}", time.monotonic() - t_kill,
-               kill["group_gone"] and kill["l1_shm_removed"])
+        self.d.step(f"server {label} SIGKILLed: reaped (rc {kill['returncode']}), group gone, "
+                    f"L1 segment {'removed' if kill['l1_shm_left_by_kill'] else 'not left'}",
+                    time.monotonic() - t_kill, kill["group_gone"] and kill["l1_shm_removed"])
+        return kill
+
+    def _restore_all(self, cycle: dict[str, Any], runs: list[PresetRun], spec: ServerSpec,
+                     server: procs.ManagedProcess) -> None:
+        """Fresh client per preset: look up, prefetch from L2, retrieve elsewhere, compare."""
+        for r in runs:
+            if r.error:
+                continue
+            with self.phase(cycle, "restore"):
+                self._guard(r, "restore", lambda r=r: self._restore(r, spec, server))
+            self._alive_or_die(server)
+            if not r.error:
+                self._print_restore(r)
+
+    def _cycle(self, n: int, chunk: int, runs: list[PresetRun]) -> None:
+        args, d, sup = self.args, self.d, self.sup
+        cycle = self._new_cycle(n, chunk, runs)
+        workdir = sup.tempdir(prefix="lmcache-restore-gate-")
+        l2_dir = workdir / "l2"
+        l2_dir.mkdir()
+        cycle["workdir"] = str(workdir)
+        l1_gb = self._l1_gb(runs)
+
+        # 1.-3. first server, store, every chunk on disk
+        server, spec = self._start_server(cycle, chunk, l1_gb, l2_dir, workdir, "A", "server_start_1")
+        self._store_all(cycle, runs, spec, server, "restore-gate")
+        self._flush(cycle, runs, l2_dir, server)
+
+        # 4. hard kill
+        t_kill = time.monotonic()
+        self._kill(cycle, server, "A")
 
         # 5. fresh server on the same ports and L2 directory
         with self.phase(cycle, "server_start_2"):
@@ -403,14 +458,7 @@ class Gate:
                server.ready_at - server.started_at)
 
         # 6. fresh client: look up, prefetch from L2, retrieve elsewhere, compare
-        for r in runs:
-            if r.error:
-                continue
-            with self.phase(cycle, "restore"):
-                self._guard(r, "restore", lambda r=r: self._restore(r, spec, server))
-            self._alive_or_die(server)
-            if not r.error:
-                self._print_restore(r)
+        self._restore_all(cycle, runs, spec, server)
 
         # 7. optional: the worker that stayed alive across the restart
         for r in runs:
@@ -429,6 +477,78 @@ class Gate:
 
         with self.phase(cycle, "shutdown"):
             cycle["servers"][-1]["kill"] = kill_server(server)
+
+    # -- cross-version phases (verify/xver_gate.py runs them in two venvs) ----
+    def _store_cycle(self, n: int, chunk: int, runs: list[PresetRun]) -> None:
+        """--phase store: start, store, flush to ``--l2-dir``, SIGKILL.  Nothing is restored here."""
+        args = self.args
+        cycle = self._new_cycle(n, chunk, runs)
+        workdir = self.sup.tempdir(prefix="lmcache-xver-store-")
+        cycle["workdir"] = str(workdir)
+        l2_dir = Path(args.l2_dir)
+        server, spec = self._start_server(cycle, chunk, self._l1_gb(runs), l2_dir, workdir, "W", "server_start_1")
+        self._store_all(cycle, runs, spec, server, args.model_prefix)
+        self._flush(cycle, runs, l2_dir, server)
+        # Close the writer's clients while their server is up: closing one whose
+        # server is gone hangs in the adapter's shutdown.  Every chunk is on disk.
+        for r in runs:
+            if r.client1 is not None:
+                r.client1.close(graceful=True)
+                r.client1 = None
+        self._kill(cycle, server, "W")
+
+    def _write_state(self) -> None:
+        """The state file a reader phase needs to restore and judge these stores."""
+        entries = []
+        for r in self.runs:
+            entry = {"preset": r.geo.name, "model": r.model, "chunk_size": r.chunk_size, "chunks": r.chunks,
+                     "seed": r.seed, "num_blocks": r.num_blocks, "tokens": r.tokens, "src_ids": r.src_ids,
+                     "dst_ids": r.dst_ids, "error": r.error,
+                     "expected_sha256": expected_digest(r.expected) if r.expected else None,
+                     "engine_groups": _json_infos(r.layout.infos if r.layout else None),
+                     "stored": r.result.get("stored"), "on_disk": r.result.get("on_disk")}
+            entries.append(entry)
+        state = {"schema": STATE_SCHEMA, "writer": self.args.model_prefix, "l2_dir": str(self.args.l2_dir),
+                 "versions": versions(), "presets": entries}
+        Path(self.args.state_out).write_text(json.dumps(state, indent=1) + "\n")
+
+    def _run_restore_phase(self) -> None:
+        """--phase restore: per chunk size, one fresh server over ``--l2-dir`` and a
+        fresh client per stored (writer, preset) of every ``--state-in``."""
+        args = self.args
+        states = [json.loads(Path(p).read_text()) for p in args.state_in]
+        by_chunk: dict[int, list[PresetRun]] = {}
+        for st in states:
+            if st.get("schema") != STATE_SCHEMA:
+                raise GateError(f"state file of writer {st.get('writer')}: schema {st.get('schema')}, "
+                                f"this gate reads {STATE_SCHEMA}")
+            for e in st["presets"]:
+                r = PresetRun(gate_preset(e["preset"]), e["chunk_size"], e["chunks"], e["seed"], model=e["model"])
+                r.writer = st["writer"]
+                r.state_entry = e
+                if e.get("error") or not e.get("expected_sha256"):
+                    r.error = f"writer {st['writer']} failed this preset: {e.get('error') or 'no expected bytes'}"
+                r.tokens, r.src_ids, r.dst_ids, r.num_blocks = e["tokens"], e["src_ids"], e["dst_ids"], e["num_blocks"]
+                by_chunk.setdefault(r.chunk_size, []).append(r)
+                self.runs.append(r)
+        l2_dir = Path(args.l2_dir)
+        with procs.Supervisor(keep_paths=args.keep_tmp) as sup:
+            self.sup = sup
+            for n, (chunk, runs) in enumerate(by_chunk.items(), 1):
+                self.d.head(f"[cycle {n}/{len(by_chunk)}] chunk size {chunk} tokens: "
+                            + ", ".join(f"{r.writer}/{r.geo.name}" for r in runs))
+                cycle = self._new_cycle(n, chunk, runs)
+                workdir = sup.tempdir(prefix="lmcache-xver-restore-")
+                cycle["workdir"] = str(workdir)
+                server, spec = self._start_server(cycle, chunk, self._l1_gb(runs), l2_dir, workdir, "R",
+                                                  "server_start_2")
+                for r in runs:
+                    if not r.error:
+                        r.result["on_disk"] = {"model_fields": l2_listing(l2_objects(l2_dir, r.model))}
+                self._restore_all(cycle, runs, spec, server)
+                with self.phase(cycle, "shutdown"):
+                    cycle["servers"][-1]["kill"] = kill_server(server)
+            self.cleanup_errors = sup.cleanup_errors
 
     # -- helpers ---------------------------------------------------------------
     def _server_desc(self, proc: procs.ManagedProcess, spec: ServerSpec, label: str) -> dict[str, Any]:
@@ -500,12 +620,17 @@ class Gate:
     def _restore(self, r: PresetRun, spec: ServerSpec, server: procs.ManagedProcess) -> None:
         gc, args = self.gc, self.args
         t0 = time.monotonic()
+        xver = args.phase == "restore"
+        if r.layout is None:  # reader phase: the READER's connector sets the window fields
+            r.layout = r.restore_layout = gc.Layout(r.geo, geometry.engine_group_infos(r.geo, args.window_rule))
         client = gc.Client(spec.zmq_url, r.model, r.restore_layout or r.layout, mq_timeout=args.step_timeout,
                            heartbeat_interval=args.heartbeat_interval)
         try:
             caches = geometry.build_kv_caches(r.geo, r.num_blocks, fill=gc.POISON)
             client.register(caches)
             gc.poison(client)  # AFTER registration: registration re-points the storage
+            if xver:
+                self._regenerate_expected(r, client)
             rid = f"gate-restore-{uuid.uuid4().hex[:12]}"
             t_lookup = time.monotonic()
             hit = client.lookup(rid, r.tokens, args.step_timeout)
@@ -530,7 +655,13 @@ class Gate:
             retrieve = {"ok": None, "detail": "skipped: no hit"}
             t_ret = time.monotonic()
             if hit:
-                ok, detail = client.retrieve(rid, r.tokens, r.dst_ids, hit, args.step_timeout)
+                try:
+                    ok, detail = client.retrieve(rid, r.tokens, r.dst_ids, hit, args.step_timeout)
+                except Exception as exc:  # noqa: BLE001
+                    if not xver:
+                        raise
+                    # another build's object may be refused loudly: a miss if nothing was written
+                    ok, detail = False, f"raised {type(exc).__name__}: {exc}"
                 retrieve = {"ok": ok, "detail": detail}
             retrieve_s = time.monotonic() - t_ret
             client.finish_request(rid)
@@ -538,6 +669,11 @@ class Gate:
             check = gc.check_restore(client, r.dst_ids, r.expected, chunks=r.chunks,
                                      blocks_per_chunk=r.blocks_per_chunk, restored_chunks=found,
                                      untouched=gc.POISON)
+            if xver and retrieve["ok"] is False:
+                # A failed retrieve must have written nothing: every byte still poison.
+                check["foreign_writes"] = gc.check_restore(
+                    client, r.dst_ids, r.expected, chunks=r.chunks, blocks_per_chunk=r.blocks_per_chunk,
+                    restored_chunks=0, untouched=gc.POISON)["foreign_writes"]
             compare_s = time.monotonic() - t_cmp
         finally:
             client.close(graceful=server.alive())
@@ -549,6 +685,21 @@ class Gate:
                                 "compare_seconds": round(compare_s, 3), "seconds": round(time.monotonic() - t0, 3)}
         r.result["fidelity"] = {"fa": check["fa"], "gdn": check["gdn"]}
         r.result["foreign_writes"] = check["foreign_writes"]
+        if xver:
+            r.result["xver"] = {"chunks_stored": r.chunks, "chunks_hit": found, "retrieve_ok": retrieve["ok"],
+                                "chunks_exact": sum(1 for c in check["per_chunk"][:found] if c["exact"]),
+                                "foreign_bytes": check["foreign_writes"]["bytes"]}
+
+    def _regenerate_expected(self, r: PresetRun, client: Any) -> None:
+        """The writer's source bytes, from its seed, proven equal by the writer's digest."""
+        rows = [client.rows(layer).shape[1] for layer in range(len(r.geo.layer_kinds))]
+        r.expected = regenerate_expected(rows, client.layout.group_of_layer, r.src_ids, r.seed)
+        want = r.state_entry["expected_sha256"]
+        got = expected_digest(r.expected)
+        if got != want:
+            raise GateError(f"{r.writer}/{r.geo.name}: the source bytes regenerated from seed {r.seed} do not "
+                            f"match the writer's (sha256 {got[:12]} != {want[:12]}): not deterministic across "
+                            f"the two environments, refusing to judge")
 
     def _stay_alive(self, r: PresetRun, server: procs.ManagedProcess, restart_window: float) -> dict[str, Any]:
         """The first client never restarted.  Report what the target does with it."""
@@ -596,6 +747,26 @@ class Gate:
         return out
 
     # -- verdicts --------------------------------------------------------------
+    def _store_phase_report(self, r: PresetRun, rep: dict[str, Any]) -> dict[str, Any]:
+        """--phase store: pass = the server confirmed the store and every chunk is on disk."""
+        st, od = r.result.get("stored", {}), r.result.get("on_disk", {})
+        reasons = []
+        if not st.get("ok"):
+            reasons.append("the server did not confirm the store")
+        if od.get("objects", 0) < r.chunks:
+            reasons.append(f"only {od.get('objects', 0)}/{r.chunks} chunks reached the fs L2")
+        rep["verdict"] = "fail" if reasons else "pass"
+        rep["reasons"] = reasons or [f"{r.chunks} chunks stored and on disk ({od.get('object_bytes')} B each)"]
+        return rep
+
+    def _restore_phase_report(self, r: PresetRun, rep: dict[str, Any]) -> dict[str, Any]:
+        """--phase restore: one outcome (exact / miss / wrong); fail only on a wrong hit."""
+        outcome, why = classify(r.result.get("xver") or {"error": "not completed: no restore result"})
+        rep.update(writer=r.writer, outcome=outcome, outcome_why=why)
+        rep["verdict"] = {"wrong": "fail", "error": "error"}.get(outcome, "pass")
+        rep["reasons"] = [f"{outcome}: {why}"]
+        return rep
+
     def _print_restore(self, r: PresetRun) -> None:
         res, d = r.result, self.d
         ar, rs = res["after_restart"], res["restored"]
@@ -629,7 +800,13 @@ class Gate:
             rep["verdict"], rep["reasons"] = "error", [r.error]
             if "traceback" in r.result:
                 rep["traceback"] = r.result["traceback"]
+            if self.args.phase == "restore":
+                rep.update(writer=r.writer, outcome="error", outcome_why=r.error.splitlines()[0])
             return rep
+        if self.args.phase == "store":
+            return self._store_phase_report(r, rep)
+        if self.args.phase == "restore":
+            return self._restore_phase_report(r, rep)
         st = r.result.get("stored", {})
         if not st.get("ok"):
             reasons.append("the server did not confirm the store")
@@ -727,6 +904,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--restart-pythonpath", metavar="PATH",
                     help="experiment: run the restarted server B with this PYTHONPATH (another lmcache tree, e.g. "
                          "pristine after patched) to see what a build switch over a persistent L2 does")
+    ap.add_argument("--phase", choices=["both", "store", "restore"], default="both",
+                    help="both (default): the restore gate. store: store and flush into --l2-dir, SIGKILL, write "
+                         "--state-out. restore: a fresh server over --l2-dir restores what each --state-in "
+                         "stored and judges it exact/miss/wrong (verify/xver_gate.py runs the two in two venvs)")
+    ap.add_argument("--l2-dir", metavar="DIR", help="--phase store/restore: the persistent fs L2 directory")
+    ap.add_argument("--state-out", metavar="PATH", help="--phase store: where to write the state for readers")
+    ap.add_argument("--state-in", action="append", metavar="PATH",
+                    help="--phase restore: a writer's state file (repeatable: writers use distinct model names)")
+    ap.add_argument("--model-prefix", default="xver",
+                    help="--phase store: model names are PREFIX-<preset>-<random> (no '@' or '+')")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temporary directories (logs, L2 files)")
     ap.add_argument("--verbose", action="store_true", help="let lmcache's client-side logging through to stderr")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -741,13 +928,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 out.extend(geometry.PRESETS)
             elif part:
                 try:
-                    geometry.preset(part)
+                    gate_preset(part)
                 except KeyError as exc:
                     ap.error(str(exc))
                 out.append(part)
     args.preset = list(dict.fromkeys(out))
     if args.chunks < 1 or args.chunk_blocks < 1:
         ap.error("--chunks and --chunk-blocks must be >= 1")
+    if args.phase != "both":
+        if not args.l2_dir or not Path(args.l2_dir).is_dir():
+            ap.error(f"--phase {args.phase} needs --l2-dir, an existing directory (got {args.l2_dir!r})")
+        if args.phase == "store" and not args.state_out:
+            ap.error("--phase store needs --state-out")
+        if args.phase == "restore" and not args.state_in:
+            ap.error("--phase restore needs at least one --state-in")
+        if "@" in args.model_prefix or "+" in args.model_prefix:
+            ap.error("--model-prefix may not contain '@' or '+'")
     return args
 
 
@@ -811,7 +1007,9 @@ def main(argv: list[str] | None = None) -> int:
 
         gate.on_imported = header
         try:
-            d.head(f"LMCache CPU restore gate: {', '.join(args.preset)}")
+            d.head({"both": "LMCache CPU restore gate: ", "store": "xver writer phase (store, flush, kill): ",
+                    "restore": "xver reader phase (fresh server over a persistent L2): "}[args.phase]
+                   + (", ".join(args.preset) if args.phase != "restore" else f"{len(args.state_in)} writer(s)"))
             gate.run()
         except GateError as exc:
             error = str(exc)
@@ -842,7 +1040,11 @@ def main(argv: list[str] | None = None) -> int:
             reason = "; ".join(f"{p['preset']}: {p['reasons'][0]}" for p in presets if p["verdict"] == "fail")
         else:
             verdict, code = "pass", EXIT_PASS
-            reason = f"all {len(presets)} presets restored byte-exact from L2 after a hard kill"
+            reason = {"both": f"all {len(presets)} presets restored byte-exact from L2 after a hard kill",
+                      "store": f"all {len(presets)} presets stored and on disk; server killed",
+                      "restore": f"no wrong hit in {len(presets)} restores ("
+                                 + ", ".join(f"{o} {sum(p.get('outcome') == o for p in presets)}"
+                                             for o in ("exact", "miss")) + ")"}[args.phase]
         if client_log is not None and verdict == "error":
             try:
                 report["client_log_tail"] = procs.ansi_strip(client_log.read_text("utf-8", "replace")).splitlines()[-60:]
@@ -854,7 +1056,8 @@ def main(argv: list[str] | None = None) -> int:
                       cycles=gate.cycles, presets=presets,
                       options={"chunks": args.chunks, "chunk_blocks": args.chunk_blocks, "chunk_size": args.chunk_size,
                                "seed": args.seed, "stay_alive": args.stay_alive,
-                               "restart_pythonpath": args.restart_pythonpath,
+                               "restart_pythonpath": args.restart_pythonpath, "phase": args.phase,
+                               "l2_dir": args.l2_dir, "state_in": args.state_in, "state_out": args.state_out,
                                "window_rule": args.window_rule,
                                "restart_window_rule": args.restart_window_rule or args.window_rule,
                                "heartbeat_interval": args.heartbeat_interval},
@@ -862,7 +1065,8 @@ def main(argv: list[str] | None = None) -> int:
                       client_log=str(client_log) if client_log and args.keep_tmp else None)
         d.line()
         for p in presets:
-            d.verdict(f"{p['preset']:16} {p['verdict'].upper():5} {p['reasons'][0]}",
+            d.verdict((f"{p['writer']} -> " if p.get("writer") else "")
+                      + f"{p['preset']:16} {p['verdict'].upper():5} {p['reasons'][0]}",
                       {"pass": True, "fail": False}.get(p["verdict"]))
         d.verdict(f"restore gate: {verdict.upper()} ({reason.splitlines()[0] if reason else ''}) "
                   f"in {timings['total']:.1f} s", {"pass": True, "fail": False}.get(verdict))

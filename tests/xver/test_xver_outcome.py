@@ -1,0 +1,175 @@
+"""The cross-version gate's pure logic: outcome classification, the expected
+outcome table (design doc 3.3 / 4.1) and the markdown matrix.  No servers."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "verify"))
+
+from lmcache_patchtool_verify import xver_outcome as xo  # noqa: E402
+from lmcache_patchtool_verify.xver_outcome import Build, classify, expected_outcome, predicted_outcome  # noqa: E402
+
+pytestmark = pytest.mark.standalone
+
+P = {v: Build(v, "pristine") for v in xo.VERSIONS}
+S = {v: Build(v, "patched") for v in xo.VERSIONS}
+PAIRS = list(itertools.product(xo.ALL_BUILDS, xo.ALL_BUILDS))
+
+
+def res(hit: int, exact: int = 0, foreign: int = 0, ok: bool | None = True, stored: int = 3) -> dict:
+    return {"chunks_stored": stored, "chunks_hit": hit, "chunks_exact": exact, "foreign_bytes": foreign,
+            "retrieve_ok": None if hit == 0 else ok}
+
+
+# ---------------------------------------------------------------------------
+# classify
+# ---------------------------------------------------------------------------
+
+
+def test_classify_exact_miss_wrong() -> None:
+    assert classify(res(3, 3))[0] == "exact"
+    assert classify(res(2, 2)) == ("exact", "2/3 chunks hit, all byte-exact, nothing foreign changed")  # prefix
+    assert classify(res(0)) == ("miss", "0/3 chunks hit")
+    assert classify(res(3, 2))[0] == "wrong"  # one hit chunk with wrong bytes
+    assert classify(res(3, 3, foreign=1))[0] == "wrong"  # right bytes, one foreign byte
+    assert classify(res(0, foreign=7))[0] == "wrong"  # no hit, yet the cache changed
+
+
+def test_classify_loud_failure_is_a_miss_only_if_nothing_was_written() -> None:
+    assert classify(res(3, 0, ok=False))[0] == "miss"
+    assert classify(res(3, 0, foreign=10, ok=False))[0] == "wrong"
+    # a retrieve that reports success with wrong bytes is a wrong hit
+    assert classify(res(3, 0, ok=True))[0] == "wrong"
+
+
+def test_classify_infrastructure_error() -> None:
+    assert classify({"error": "restore: TimeoutError: x\ntraceback"}) == ("error", "restore: TimeoutError: x")
+
+
+# ---------------------------------------------------------------------------
+# the expected-outcome table
+# ---------------------------------------------------------------------------
+
+
+def test_build_parse_and_labels() -> None:
+    assert Build.parse("0.5.6-patched") == Build("0.5.6", "patched") == Build.parse("0.5.6P")
+    assert Build.parse("0.5.3p") == Build.parse("0.5.3:pristine") == P["0.5.3"]
+    assert S["0.5.5"].label == "0.5.5-patched" and S["0.5.5"].short == "0.5.5P"
+    for bad in ("0.5.7-patched", "0.5.6-half", "056"):
+        with pytest.raises(ValueError):
+            Build.parse(bad)
+
+
+def test_same_build_always_exact() -> None:
+    for b, name, cb in itertools.product(xo.ALL_BUILDS, xo.PRESETS, xo.CHUNK_BLOCKS):
+        assert expected_outcome(b, b, name, cb) == "exact"
+        assert predicted_outcome(b, b, name, cb, "today") == "exact"
+
+
+@pytest.mark.parametrize("cb", xo.CHUNK_BLOCKS)
+def test_byte_identical_pairs_hit_exactly(cb: int) -> None:
+    """Design doc 3.3: the pairs whose objects are byte-identical must hit exactly."""
+    for w, r in PAIRS:
+        assert expected_outcome(w, r, "pure-attn-k1", cb) == "exact", (w, r)  # non-hybrid k=1: one class
+        if cb == 1:
+            assert expected_outcome(w, r, "control-k1", cb) == "exact", (w, r)  # hybrid k=1, C=N: one class
+        if w.state == r.state == "patched":
+            assert expected_outcome(w, r, "pure-attn-bs128", cb) == "exact", (w, r)  # one fingerprint
+    # 0.5.6: the series leaves the re-viewed hybrid group alone, so pristine = patched
+    assert expected_outcome(P["0.5.6"], S["0.5.6"], "qwen35-0.8b", cb) == "exact"
+    assert expected_outcome(S["0.5.6"], P["0.5.6"], "qwen35-0.8b", cb) == "exact"
+    # hybrid k=17: S-old = S-mid only when a chunk is one block
+    for mid in ("0.5.4", "0.5.5"):
+        assert expected_outcome(S["0.5.3"], S[mid], "qwen35-0.8b", cb) == ("exact" if cb == 1 else "miss")
+        assert expected_outcome(S[mid], S["0.5.3"], "qwen35-0.8b", cb) == ("exact" if cb == 1 else "miss")
+
+
+def test_issue_12_wrong_hits_today_become_misses() -> None:
+    """The three wrong hits issue 12 measured with today's keys turn into misses."""
+    cases = [(S["0.5.5"], P["0.5.6"], "qwen35-0.8b", 1), (S["0.5.6"], P["0.5.6"], "pure-attn-bs128", 2),
+             (S["0.5.3"], S["0.5.4"], "qwen35-0.8b", 2)]
+    for w, r, name, cb in cases:
+        assert predicted_outcome(w, r, name, cb, "today") == "wrong", (w, r, name, cb)
+        assert expected_outcome(w, r, name, cb) == "miss", (w, r, name, cb)
+
+
+def test_wrong_is_required_only_for_upstream_pairs() -> None:
+    """A wrong hit stays only where both sides write under the pristine key,
+    i.e. where no change to a patched build can separate them."""
+    upstream = set()
+    for (w, r), name, cb in itertools.product(PAIRS, xo.PRESETS, xo.CHUNK_BLOCKS):
+        if expected_outcome(w, r, name, cb) == "wrong":
+            assert xo.namespace(w, name, cb) == xo.namespace(r, name, cb) == "", (w, r, name, cb)
+            assert xo.is_upstream(w, r, name, cb)
+            upstream.add((w, r, name, cb))
+    # the gate's positive control is one of them: pristine 0.5.6 -> pristine 0.5.4 hybrid k=17
+    assert (P["0.5.6"], P["0.5.4"], "qwen35-0.8b", 1) in upstream
+    assert not any(name == "pure-attn-k1" for _, _, name, _ in upstream)
+    # no patched pure-attention k=2 writer/reader is ever in a wrong hit
+    assert not any(name == "pure-attn-bs128" and "patched" in (w.state, r.state) for w, r, name, _ in upstream)
+
+
+def test_shorter_file_is_a_miss_longer_is_a_hit() -> None:
+    # one-page pristine objects are shorter than 0.5.6's: the reader's read is incomplete
+    assert expected_outcome(P["0.5.4"], P["0.5.6"], "qwen35-0.8b", 1) == "miss"
+    # and the reverse reads a prefix of a longer file: an upstream wrong hit
+    assert expected_outcome(P["0.5.6"], P["0.5.4"], "qwen35-0.8b", 1) == "wrong"
+
+
+def test_extra_preset_is_pure_attention_k1() -> None:
+    geo = xo.preset("pure-attn-k1")
+    assert geo.k == 1 and geo.num_gdn_layers == 0 and geo.tokens_per_block == xo.preset("pure-attn-bs128").tokens_per_block
+    assert [xo.family(p) for p in xo.PRESETS] == ["hybrid", "pure", "hybrid-k1", "pure-k1"]
+
+
+# ---------------------------------------------------------------------------
+# markdown
+# ---------------------------------------------------------------------------
+
+
+def test_matrix_markdown_letters_and_stars() -> None:
+    cells = [{"writer": "0.5.6-patched", "reader": "0.5.6-pristine", "preset": "pure-attn-bs128", "chunk_blocks": 2,
+              "outcome": "wrong"},
+             {"writer": "0.5.6-patched", "reader": "0.5.6-pristine", "preset": "pure-attn-k1", "chunk_blocks": 2,
+              "outcome": "exact"},
+             {"writer": "0.5.6-patched", "reader": "0.5.5-patched", "preset": "pure-attn-bs128", "chunk_blocks": 2,
+              "outcome": "exact"}]
+    md = xo.matrix_markdown(cells, ["pure-attn-bs128", "pure-attn-k1"], 2, expected="layout")
+    lines = md.splitlines()
+    assert lines[0] == "| writer \\ reader | 0.5.5P | 0.5.6p |"
+    assert lines[2] == "| 0.5.6P | E. | W*E |"  # the wrong hit differs from the required miss
+    assert "W*" not in xo.matrix_markdown(cells, ["pure-attn-bs128", "pure-attn-k1"], 2, expected="today")
+
+
+# ---------------------------------------------------------------------------
+# the phase arguments of restore_gate.py (no torch needed to refuse them)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--phase", "store"], "needs --l2-dir"),
+    (["--phase", "store", "--l2-dir", "."], "needs --state-out"),
+    (["--phase", "restore", "--l2-dir", "."], "needs at least one --state-in"),
+    (["--phase", "store", "--l2-dir", ".", "--state-out", "s", "--model-prefix", "a+b"], "may not contain"),
+])
+def test_phase_arguments_are_refused_loudly(argv: list[str], msg: str) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "verify" / "restore_gate.py"), *argv],
+                          capture_output=True, text=True, cwd=str(REPO))
+    assert proc.returncode == 2 and msg in proc.stderr, proc.stderr
+
+
+def test_edges_for_selects_the_ci_edges_of_a_version() -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import xver_gate  # noqa: PLC0415
+
+    assert len(xver_gate.CI_EDGES) == 6
+    assert {(w.label, r.label) for w, r in xver_gate.edges_for("0.5.4")} == {("0.5.3-patched", "0.5.4-patched")}
+    assert len(xver_gate.edges_for("0.5.6")) == 4
+    assert xver_gate.edges_for("0.5.2") == []

@@ -1,0 +1,249 @@
+"""Cross-version gate: builds, outcomes and the expected-outcome table (no torch).
+
+A *build* is ``(lmcache version, "pristine" | "patched")``.  A writer build
+stores a request into an fs L2 directory through the real server; a reader
+build, with a fresh server and client over the same directory, looks it up and
+retrieves it.  Per (writer, reader, preset, blocks per chunk) the gate reports
+exactly one outcome:
+
+* ``exact``  -- at least one chunk hit, every hit chunk restored byte-exact,
+  no byte outside the destination changed (``hit < stored`` is a byte-exact
+  prefix; the hit count is reported next to the outcome);
+* ``miss``   -- 0 chunks hit, or a loud failure (refusal, failed retrieve)
+  that wrote nothing into the reader's cache;
+* ``wrong``  -- a hit whose restored bytes differ, any foreign byte changed,
+  or a retrieve that reported success with wrong bytes.
+
+``expected_outcome`` is the REQUIRED outcome once patched builds key their
+objects by layout (design doc ``docs/design/disk-tier-keys.md`` section 3.3 for
+the byte classes, 4.1 for the namespaces); ``predicted_outcome(...,
+keys="today")`` is what the same classes predict with today's keys (every
+build writes under the bare model name).  Both are derived from one table of
+byte classes below, so the measured matrix can be checked against either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from . import geometry
+
+VERSIONS = ("0.5.3", "0.5.4", "0.5.5", "0.5.6")
+STATES = ("pristine", "patched")
+OUTCOMES = ("exact", "miss", "wrong")
+LETTER = {"exact": "E", "miss": "M", "wrong": "W", "error": "!", None: "."}
+
+# The gate's presets: hybrid k=17, pure attention k=2, hybrid k=1, and a pure
+# attention k=1 (FlashAttention, no GDN) that geometry.py does not have.  It
+# is defined here (not in geometry.PRESETS, whose "all" other gates iterate)
+# with the block size of pure-attn-bs128, so both share one server chunk size.
+EXTRA_PRESETS: dict[str, geometry.Geometry] = {
+    g.name: g for g in (
+        geometry.Geometry("pure-attn-k1", 128, 128, num_kv_heads=8, head_size=128, num_fa_layers=2,
+                          num_gdn_layers=0,
+                          description="pure attention under FlashAttention (no sub-paging): 128/128, k=1"),
+    )
+}
+PRESETS = ("qwen35-0.8b", "pure-attn-bs128", "control-k1", "pure-attn-k1")
+CHUNK_BLOCKS = (1, 2)
+
+
+def preset(name: str) -> geometry.Geometry:
+    """geometry.preset, plus this module's extra presets."""
+    if name.partition("@")[0] in EXTRA_PRESETS:
+        base, _, dtype = name.partition("@")
+        geo = EXTRA_PRESETS[base]
+        return geo.with_dtype(dtype) if dtype else geo
+    return geometry.preset(name)
+
+
+@dataclass(frozen=True, order=True)
+class Build:
+    version: str
+    state: str  # "pristine" | "patched"
+
+    def __post_init__(self) -> None:
+        if self.version not in VERSIONS:
+            raise ValueError(f"build {self.version}: not one of {', '.join(VERSIONS)}")
+        if self.state not in STATES:
+            raise ValueError(f"build state {self.state!r}: pristine or patched")
+
+    @property
+    def label(self) -> str:
+        return f"{self.version}-{self.state}"
+
+    @property
+    def short(self) -> str:
+        return f"{self.version}{'P' if self.state == 'patched' else 'p'}"
+
+    @property
+    def generation(self) -> str:
+        """GDN/FA generation: old (0.5.3, no GDN window), mid (0.5.4/0.5.5: chunk-end
+        GDN), new (0.5.6: chunk-end GDN, sub-paged FA re-viewed by the connector)."""
+        return {"0.5.3": "old", "0.5.4": "mid", "0.5.5": "mid", "0.5.6": "new"}[self.version]
+
+    @classmethod
+    def parse(cls, text: str) -> "Build":
+        """``0.5.6-patched``, ``0.5.6:patched``, ``0.5.6P`` (patched) / ``0.5.6p`` (pristine)."""
+        t = text.strip()
+        for sep in ("-", ":", "/"):
+            if sep in t:
+                v, _, s = t.partition(sep)
+                return cls(v, s)
+        if t[-1:] in ("P", "p") and t[:-1] in VERSIONS:
+            return cls(t[:-1], "patched" if t[-1] == "P" else "pristine")
+        raise ValueError(f"build {text!r}: write VERSION-pristine or VERSION-patched (e.g. 0.5.6-patched)")
+
+
+ALL_BUILDS = tuple(Build(v, s) for v in VERSIONS for s in STATES)
+
+
+def family(name: str) -> str:
+    """hybrid (k>1, GDN), pure (k>1, no GDN), hybrid-k1, pure-k1."""
+    geo = preset(name)
+    return ("hybrid" if geo.num_gdn_layers else "pure") + ("" if geo.k > 1 else "-k1")
+
+
+# ---------------------------------------------------------------------------
+# Byte classes (design doc section 3.2/3.3, CPU sizes) and namespaces (4.1)
+# ---------------------------------------------------------------------------
+
+
+def byte_class(build: Build, name: str, chunk_blocks: int) -> tuple[str, str]:
+    """``(class, size)`` of the object a build writes: equal class = equal bytes;
+    size "short" (1/k of the FA bytes) or "full" (every byte), on the CPU context.
+
+    GDN generations differ only when a chunk has several blocks (C > N): with
+    C = N the chunk-end block is the whole chunk.
+    """
+    fam, gen = family(name), build.generation
+    gdn = "gdn-any" if chunk_blocks == 1 else ("gdn-all" if gen == "old" else "gdn-end")
+    if fam == "pure-k1":
+        return "engine", "full"
+    if fam == "hybrid-k1":
+        return f"engine,{gdn}", "full"
+    if fam == "pure":
+        return ("one-page", "short") if build.state == "pristine" else ("pass-major", "full")
+    if gen == "new":  # 0.5.6's connector re-views the FA group; the series leaves it alone
+        return "0.5.6-review,gdn-end", "full"
+    if build.state == "pristine":
+        return f"one-page,{gdn}", "short"
+    return f"pass-major,{gdn}", "full"
+
+
+def namespace(build: Build, name: str, chunk_blocks: int, keys: str = "layout") -> str:
+    """The model-name suffix a build's keys carry: "" = today's key.
+
+    ``keys="layout"`` (05-layout-keys): "" unless the series expanded a group
+    (patched, k > 1) and wrote something other than the pristine build; then a
+    fingerprint of the bytes' layout, equal across versions exactly when the
+    pass-major bytes are (section 4.1).  ``keys="today"``: "" everywhere.
+    """
+    if keys == "today":
+        return ""
+    if keys != "layout":
+        raise ValueError(f"keys {keys!r}: layout or today")
+    fam = family(name)
+    if build.state == "pristine" or fam.endswith("-k1"):
+        return ""
+    cls, _ = byte_class(build, name, chunk_blocks)
+    return "" if cls.startswith("0.5.6-review") else f"kvl1[{cls}]"
+
+
+def predicted_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int, keys: str = "layout") -> str:
+    """What the byte classes predict the CPU gate sees.
+
+    Different keys: a miss.  Same key: the reader's L1 buffer has the reader's
+    size; a shorter file is an incomplete read (a miss), a longer or equal one
+    fills the buffer (a hit), exact iff the bytes are the same class.
+    """
+    if namespace(writer, name, chunk_blocks, keys) != namespace(reader, name, chunk_blocks, keys):
+        return "miss"
+    (wc, ws), (rc, rs) = byte_class(writer, name, chunk_blocks), byte_class(reader, name, chunk_blocks)
+    if wc == rc:
+        return "exact"
+    if ws == "short" and rs == "full":
+        return "miss"
+    return "wrong"
+
+
+def expected_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int) -> str:
+    """The REQUIRED outcome with layout keys.  ``wrong`` here is only ever an
+    upstream case (pristine-compatible keys on both sides, different bytes),
+    which no change to a patched build can fix (:func:`is_upstream`)."""
+    return predicted_outcome(writer, reader, name, chunk_blocks, "layout")
+
+
+def is_upstream(writer: Build, reader: Build, name: str, chunk_blocks: int) -> bool:
+    """A wrong hit both sides of which write under today's (pristine) key."""
+    return expected_outcome(writer, reader, name, chunk_blocks) == "wrong"
+
+
+# ---------------------------------------------------------------------------
+# Classifying one measured (writer, reader, preset) result
+# ---------------------------------------------------------------------------
+
+
+def classify(res: dict[str, Any]) -> tuple[str, str]:
+    """``(outcome, why)`` from a reader phase's per-preset result.
+
+    ``res`` keys (restore_gate --phase restore): ``error`` (an infrastructure
+    failure: outcome ``error``), ``chunks_stored``, ``chunks_hit``,
+    ``retrieve_ok`` (None: no retrieve), ``chunks_exact`` (hit chunks restored
+    exact), ``foreign_bytes`` (bytes changed outside the hit chunks'
+    destinations; after a failed retrieve: anywhere in the cache).
+    """
+    if res.get("error"):
+        return "error", str(res["error"]).splitlines()[0]
+    stored, hit = int(res["chunks_stored"]), int(res["chunks_hit"])
+    foreign = int(res["foreign_bytes"])
+    if hit == 0:
+        if foreign:
+            return "wrong", f"0 chunks hit, yet {foreign} bytes changed in the cache"
+        return "miss", f"0/{stored} chunks hit"
+    if res.get("retrieve_ok") is False:
+        if foreign:
+            return "wrong", f"retrieve failed after {hit}/{stored} hits and changed {foreign} bytes"
+        return "miss", f"{hit}/{stored} chunks hit, the retrieve failed loudly and wrote nothing"
+    exact = int(res["chunks_exact"])
+    if exact < hit or foreign:
+        return "wrong", (f"{hit}/{stored} chunks hit, {exact} restored exact, "
+                         f"{foreign} foreign bytes changed")
+    return "exact", f"{hit}/{stored} chunks hit, all byte-exact, nothing foreign changed"
+
+
+# ---------------------------------------------------------------------------
+# Markdown matrix
+# ---------------------------------------------------------------------------
+
+
+def matrix_markdown(cells: Iterable[dict[str, Any]], presets: list[str], chunk_blocks: int,
+                    expected: str | None = None) -> str:
+    """Rows writer, columns reader, cell = one letter per preset (E exact,
+    M miss, W wrong hit, ! error, . not run), in ``presets`` order.  With
+    ``expected`` ("layout" or "today": which keys) a letter that differs from
+    :func:`predicted_outcome` for those keys is starred."""
+    cells = [c for c in cells if c["chunk_blocks"] == chunk_blocks]
+    writers = sorted({Build.parse(c["writer"]) for c in cells})
+    readers = sorted({Build.parse(c["reader"]) for c in cells})
+    got = {(c["writer"], c["reader"], c["preset"]): c["outcome"] for c in cells}
+    head = "| writer \\ reader | " + " | ".join(r.short for r in readers) + " |"
+    lines = [head, "|" + "---|" * (len(readers) + 1)]
+    for w in writers:
+        row = []
+        for r in readers:
+            text = ""
+            for p in presets:
+                o = got.get((w.label, r.label, p))
+                ch = LETTER.get(o, "?")
+                if expected and o is not None and o != "error" and \
+                        o != predicted_outcome(w, r, p, chunk_blocks, expected):
+                    ch += "*"
+                text += ch
+            row.append(text)
+        lines.append(f"| {w.short} | " + " | ".join(row) + " |")
+    legend = (f"Cells: one letter per preset ({', '.join(presets)}); E exact, M miss, W wrong hit, "
+              f"! error, . not run; {chunk_blocks} block(s) per chunk; p pristine, P patched"
+              + (f"; * differs from the outcome predicted with {expected} keys" if expected else "") + ".")
+    return "\n".join(lines + ["", legend])
