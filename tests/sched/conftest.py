@@ -1,0 +1,76 @@
+"""Fixtures for the scheduler-faithful simulation (issue 11, item 1):
+``verify/lmcache_patchtool_verify/sched_sim.py`` run in an LMCache version's
+runtime venv with ``PYTHONPATH = <lmcache overlay>:<vLLM 0.27.1 layer>:verify``.
+
+One CLI run per (version, build) yields every scenario of the set (one import
+of vLLM and LMCache per run: ~15 s), cached for the session.
+
+Builds: ``pristine`` (the wheel) and ``patched`` (the hybrid-fa series as git
+tracks it: ``git ls-files``, so a patch still untracked in a working tree, a
+revision in progress, is not picked up until it is added).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import provision  # made importable by tests/conftest.py
+
+REPO = Path(__file__).resolve().parents[2]
+VERIFY = REPO / "verify"
+SIM = ["-m", "lmcache_patchtool_verify.sched_sim"]  # verify/ on PYTHONPATH
+
+
+def tracked_series(version: str) -> list[Path]:
+    """The ordered patch files of the hybrid-fa set for ``version`` that git tracks."""
+    rel = f"patches/hybrid-fa/{version}"
+    try:
+        out = subprocess.run(["git", "ls-files", "--", f"{rel}/*.patch"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: every patch
+        return sorted((REPO / rel).glob("*.patch"))
+    return sorted(REPO / p for p in out)
+
+
+@pytest.fixture(scope="session")
+def sched_run(tmp_path_factory) -> Callable[..., dict[str, dict[str, Any]]]:
+    """``sched_run(version, build, scenarios="ci")`` -> {scenario name: result}."""
+    import provision_vllm  # scripts/ is on sys.path (tests/conftest.py)
+
+    cache: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+
+    def run(version: str, build: str, scenarios: str = "ci") -> dict[str, dict[str, Any]]:
+        key = (version, build, scenarios)
+        if key in cache:
+            return cache[key]
+        patches = tracked_series(version) if build == "patched" else None
+        if build == "patched" and not any(p.name.startswith("03-") for p in patches or ()):
+            pytest.fail(f"no tracked 03 patch for {version}")
+        overlay = provision.overlay(version, patches)
+        layer = provision_vllm.vllm_layer(version)
+        python = provision.runtime_env(version) / "bin" / "python"
+        out = tmp_path_factory.mktemp("sched") / f"{version}-{build}.json"
+        env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{VERIFY}",
+                   LMCACHE_DISABLE_BANNER="1")
+        args = [a for s in scenarios.split(",") for a in ("--scenario", s)]
+        proc = subprocess.run([str(python), *SIM, *args, "--version", version,
+                               "--build", build, "--out", str(out)],
+                              env=env, capture_output=True, text=True, timeout=1800)
+        # Any assertion inside vLLM's real Scheduler/KVCacheManager (or the
+        # connector) aborts the run: a non-zero exit fails every test using it.
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results = {r["scenario"]: r for r in json.loads(out.read_text())}
+        for r in results.values():
+            if r.get("constructed"):
+                assert r["patched"] == (build == "patched"), "wrong lmcache on the path"
+            r["stderr_tail"] = proc.stderr[-2000:]
+        cache[key] = results
+        return results
+
+    return run

@@ -1,0 +1,246 @@
+"""Truth model for :mod:`sched_sim`: what every physical block of vLLM's shared
+``BlockPool`` holds after each step, as the GPU worker would have written it.
+
+No vLLM or LMCache import here: the scheduler side (real vLLM) hands in each
+step's ``SchedulerOutput`` and the fake model runner's acceptance decisions;
+this module replays what vLLM 0.27.1's V1 GPU worker does with them
+(``gpu_model_runner._update_states``, ``mamba_utils.preprocess_mamba``, the GDN
+kernels' state indices in ``gdn_attn``, ``postprocess_mamba_align_gpu``).
+
+Contents are identified by token-prefix digests (:class:`Digests`), so a block
+written by one request is recognised as correct for any other request whose
+tokens share that prefix, exactly as LMCache keys chunks by prefix hash.
+
+* Full attention (FA): block ``b`` at slot ``j`` of request ``R`` holds the KV
+  of positions ``[j*N, hi)`` of ``R``'s committed tokens (``FaContent``).
+  Rejected draft positions are written but not valid: ``hi`` stops before them.
+* Mamba (align mode): block ``b`` holds "the SSM state after exactly ``t``
+  committed tokens" (the digest of that prefix), a draft state (``DraftState``)
+  or garbage (``None``; the null block 0 always holds garbage).  Per step the
+  worker (1) copies the previous running state into the new running slot when
+  the slot moves (``preprocess_mamba``, with the accepted-token bias), (2)
+  writes the state after the step's non-draft tokens into slot
+  ``cdiv(c + s, N) - 1`` and, with drafts, the state after each draft token
+  into the following ``num_spec`` slots, (3) with speculative decoding copies
+  the state at a block boundary crossed by accepted drafts into the slot of
+  the block ending there (``postprocess_mamba_fused_kernel``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+NULL_BLOCK = 0  # vLLM's BlockPool.null_block.block_id
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Digests:
+    """Rolling digests of token prefixes: ``of(key, tokens)[t]`` identifies
+    ``tokens[:t]``.  Cached per key and extended as the sequence grows (vLLM
+    only ever appends committed tokens)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, list[int]] = {}
+
+    def of(self, key: str, tokens: list[int]) -> list[int]:
+        h = self._cache.setdefault(key, [0])
+        for tok in tokens[len(h) - 1:]:
+            h.append(hash((h[-1], tok)))  # ints hash deterministically
+        return h
+
+
+@dataclass(frozen=True)
+class FaContent:
+    """KV of positions ``[slot*N, hi)`` of request ``rid``'s committed tokens."""
+
+    rid: str
+    slot: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class DraftState:
+    """SSM state after a draft token that may later be rejected."""
+
+    rid: str
+    tokens: int
+    draft: tuple[int, ...]
+
+
+@dataclass
+class StepInput:
+    """What the worker needs to know about one scheduled request this step."""
+
+    rid: str
+    computed: int  # num_computed_tokens before the step (what the worker gets)
+    scheduled: int  # num_scheduled_tokens, drafts included
+    drafts: list[int]  # scheduled draft token ids
+    accepted: int | None  # accepted drafts; None: no token sampled (prefill chunk)
+
+
+@dataclass
+class Truth:
+    block_size: int
+    mamba_groups: list[int]
+    fa_groups: list[int]
+    num_spec: int
+    fa: dict[int, FaContent] = field(default_factory=dict)
+    mamba: dict[int, Any] = field(default_factory=dict)
+    # Prefix lengths whose true Mamba state was written into a real block (for
+    # the ideal hit); per request.
+    materialized: dict[str, set[int]] = field(default_factory=dict)
+    # The worker's view: append-only block tables, running-state slot and
+    # accepted-token counts per request (gpu_model_runner / mamba_utils).
+    tables: dict[str, list[list[int]]] = field(default_factory=dict)
+    state_idx: dict[str, int] = field(default_factory=dict)
+    num_accepted: dict[str, int] = field(default_factory=dict)
+    # Model self-checks: the running state read at a step start is not the
+    # true state after the request's computed tokens, or the worker touched a
+    # slot whose block vLLM's scheduler does not list there.
+    inconsistencies: list[str] = field(default_factory=list)
+
+    # ---- worker block tables (gpu_model_runner._update_states) ------------
+    def update_tables(self, so: Any) -> None:
+        for rid in list(so.finished_req_ids) + list(so.preempted_req_ids or ()):
+            self.tables.pop(rid, None)
+        # cleanup_mamba_state_idx: finished, preempted and resumed requests.
+        cached = so.scheduled_cached_reqs
+        for rid in (set(so.finished_req_ids) | set(so.preempted_req_ids or ())
+                    | set(cached.resumed_req_ids)):
+            self.state_idx.pop(rid, None)
+        for nr in so.scheduled_new_reqs:
+            self.tables[nr.req_id] = [list(g) for g in nr.block_ids]
+            self.num_accepted[nr.req_id] = 1
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                self.tables[rid] = [list(g) for g in new]  # a full replacement
+                self.num_accepted[rid] = 1
+            elif new is not None:
+                for g, ids in enumerate(new):
+                    self.tables[rid][g].extend(ids)
+
+    # ---- one step's writes ------------------------------------------------
+    def apply(self, steps: Iterable[StepInput], digest: Callable[[str, int], int],
+              sched_lists: Callable[[str], list[list[int]] | None]) -> None:
+        """Replay the worker for this step's requests.  ``digest(rid, t)`` is
+        the committed-prefix digest (tokens appended already); ``sched_lists``
+        gives vLLM's scheduler-side lists (None once the request is gone)."""
+        for st in steps:
+            self._fa_writes(st)
+            self._mamba_writes(st, digest, sched_lists(st.rid))
+
+    def _block(self, rid: str, g: int, slot: int) -> int:
+        table = self.tables[rid][g]
+        return table[slot] if 0 <= slot < len(table) else NULL_BLOCK
+
+    def _check_slot(self, rid: str, g: int, slot: int, lists: list[list[int]] | None,
+                    what: str) -> None:
+        if lists is None:
+            return
+        mine = self._block(rid, g, slot)
+        theirs = lists[g][slot] if slot < len(lists[g]) else None
+        if mine != theirs:
+            self.inconsistencies.append(
+                f"{rid} g{g} slot{slot}: worker {what} block {mine}, scheduler lists {theirs}")
+
+    def _fa_writes(self, st: StepInput) -> None:
+        n = self.block_size
+        running = st.computed + st.scheduled - len(st.drafts)
+        committed = running + (st.accepted or 0)
+        end = st.computed + st.scheduled  # positions written, drafts included
+        for g in self.fa_groups:
+            for slot in range(st.computed // n, cdiv(end, n)):
+                lo, hi = slot * n, min((slot + 1) * n, committed)
+                b = self._block(st.rid, g, slot)
+                if b == NULL_BLOCK:
+                    continue
+                old = self.fa.get(b)
+                # Valid part before this step: the block's contiguous committed
+                # prefix, if it already belonged to this request at this slot.
+                base = old.hi if (old and old.rid == st.rid and old.slot == slot) else lo
+                # A gap before this step's first position keeps the block
+                # invalid past it; otherwise it is valid up to the committed
+                # tokens (positions past them hold rejected drafts).
+                self.fa[b] = FaContent(st.rid, slot,
+                                       max(lo, hi) if base >= max(lo, st.computed) else base)
+
+    def _write_state(self, rid: str, b: int, content: Any, tokens: int | None) -> None:
+        if b == NULL_BLOCK:
+            return  # writes into the null block are lost; it stays garbage
+        self.mamba[b] = content
+        if tokens is not None:
+            self.materialized.setdefault(rid, set()).add(tokens)
+
+    def _mamba_writes(self, st: StepInput, digest: Callable[[str, int], int],
+                      lists: list[list[int]] | None) -> None:
+        n, rid = self.block_size, st.rid
+        d = len(st.drafts)
+        running = st.computed + st.scheduled - d
+        prev = self.state_idx.get(rid)
+        if prev is None:
+            prev = (st.computed - 1) // n  # new/resumed: -1 when nothing computed
+        curr = cdiv(st.computed + st.scheduled, n) - 1
+        self.state_idx[rid] = curr
+        bias = self.num_accepted.get(rid, 1) - 1
+        for g in self.mamba_groups:
+            # preprocess_mamba: the running state moves to the new slot.
+            if prev != -1 and prev != curr:
+                self._check_slot(rid, g, prev + bias, lists, "copies from")
+                src = self.mamba.get(self._block(rid, g, prev + bias))
+                self._write_state(rid, self._block(rid, g, curr), src, None)
+                init = src
+            elif prev != -1:
+                init = self.mamba.get(self._block(rid, g, curr + bias))
+            else:
+                init = "fresh"
+            if st.computed > 0 and init != digest(rid, st.computed):
+                self.inconsistencies.append(
+                    f"{rid} g{g}: step starts at {st.computed} tokens but its running "
+                    f"state is {init!r}")
+            # Forward: state after the non-draft tokens, then one per draft.
+            self._check_slot(rid, g, curr, lists, "writes")
+            self._write_state(rid, self._block(rid, g, curr), digest(rid, running), running)
+            acc = st.accepted or 0
+            for j in range(1, d + 1):
+                content = (digest(rid, running + j) if j <= acc
+                           else DraftState(rid, running + j, tuple(st.drafts[:j])))
+                self._write_state(rid, self._block(rid, g, curr + j), content,
+                                  running + j if j <= acc else None)
+        if not d and st.accepted is None:
+            self.num_accepted[rid] = 1
+            return
+        self.num_accepted[rid] = (st.accepted or 0) + 1
+        if not self.num_spec:
+            self.num_accepted[rid] = 1
+            return
+        # postprocess_mamba_fused_kernel (spec decode, align mode).
+        new = running + (st.accepted or 0)
+        aligned = new // n * n
+        if aligned < running:
+            return
+        shift = aligned - running
+        dest = aligned // n - 1
+        if curr == dest:
+            self.num_accepted[rid] = 1
+            if shift == 0:
+                return
+        for g in self.mamba_groups:
+            src = self.mamba.get(self._block(rid, g, curr + shift))
+            self._write_state(rid, self._block(rid, g, dest), src,
+                              aligned if src == digest(rid, aligned) else None)
+
+    # ---- reading ------------------------------------------------------------
+    def fa_digest(self, b: int, digest: Callable[[str, int], int]) -> int | None:
+        """Digest of the prefix whose KV block ``b`` completely holds, or None."""
+        c = self.fa.get(b)
+        if b == NULL_BLOCK or c is None or c.hi < (c.slot + 1) * self.block_size:
+            return None
+        return digest(c.rid, (c.slot + 1) * self.block_size)
+
+    def mamba_content(self, b: int) -> Any:
+        return None if b == NULL_BLOCK else self.mamba.get(b)
