@@ -603,6 +603,7 @@ class Gate:
         r.client1 = gc.Client(spec.zmq_url, r.model, r.layout, mq_timeout=args.step_timeout,
                               heartbeat_interval=args.heartbeat_interval)
         caches = geometry.build_kv_caches(r.geo, r.num_blocks, fill=0)
+        self._connector_edits(r, caches, "store")
         r.client1.register(caches)
         r.expected = gc.fill_source(r.client1, r.src_ids, r.seed)  # AFTER registration: live shared memory
         r.result["register_seconds"] = round(time.monotonic() - t0, 3)
@@ -627,6 +628,7 @@ class Gate:
                            heartbeat_interval=args.heartbeat_interval)
         try:
             caches = geometry.build_kv_caches(r.geo, r.num_blocks, fill=gc.POISON)
+            self._connector_edits(r, caches, "restore")
             client.register(caches)
             gc.poison(client)  # AFTER registration: registration re-points the storage
             if xver:
@@ -689,6 +691,28 @@ class Gate:
             r.result["xver"] = {"chunks_stored": r.chunks, "chunks_hit": found, "retrieve_ok": retrieve["ok"],
                                 "chunks_exact": sum(1 for c in check["per_chunk"][:found] if c["exact"]),
                                 "foreign_bytes": check["foreign_writes"]["bytes"]}
+
+    def _connector_edits(self, r: PresetRun, caches: Any, when: str) -> None:
+        """--connector-edits: register what the installed connector registers.
+
+        Runs the version's own ``apply_kv_cache_group_edits`` on vLLM's tensors
+        (0.5.6 re-views a hybrid's sub-paged attention as ``(nb, 2, N, 1, hs')``;
+        0.5.5+ re-views GDN with ``as_strided``).  Every edit is a contiguous view
+        of the same memory, so a logical block is still one row of the registered
+        tensor (checked: a copy would make the byte checks read stale memory).
+        """
+        if not self.args.connector_edits:
+            return
+        from lmcache_patchtool_verify import ports_edits  # noqa: PLC0415 - target env only
+
+        info = ports_edits.apply_edits(caches, "HND")
+        for layer, t in enumerate(caches.tensors):
+            if not t.is_contiguous() or t.data_ptr() != caches.raw[layer].data_ptr():
+                raise GateError(f"{r.geo.name}: the connector's edit of layer {layer} is not a contiguous view "
+                                f"of vLLM's tensor (shape {tuple(t.shape)}): the gate's byte checks cannot follow it")
+        r.result.setdefault("connector_edits", {})[when] = [
+            {"layer": x["layer"], "kind": x["kind"], "edited": x["edited"], "shape": x["shape"]}
+            for x in info["layers"]]
 
     def _regenerate_expected(self, r: PresetRun, client: Any) -> None:
         """The writer's source bytes, from its seed, proven equal by the writer's digest."""
@@ -908,6 +932,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="both (default): the restore gate. store: store and flush into --l2-dir, SIGKILL, write "
                          "--state-out. restore: a fresh server over --l2-dir restores what each --state-in "
                          "stored and judges it exact/miss/wrong (verify/xver_gate.py runs the two in two venvs)")
+    ap.add_argument("--connector-edits", action=argparse.BooleanOptionalAction, default=None,
+                    help="register through the installed connector's own kv_cache_group_edits (0.5.6 re-views a "
+                         "hybrid's sub-paged attention); default: on with --phase store/restore, off otherwise")
     ap.add_argument("--l2-dir", metavar="DIR", help="--phase store/restore: the persistent fs L2 directory")
     ap.add_argument("--state-out", metavar="PATH", help="--phase store: where to write the state for readers")
     ap.add_argument("--state-in", action="append", metavar="PATH",
@@ -935,6 +962,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.preset = list(dict.fromkeys(out))
     if args.chunks < 1 or args.chunk_blocks < 1:
         ap.error("--chunks and --chunk-blocks must be >= 1")
+    if args.connector_edits is None:
+        args.connector_edits = args.phase != "both"
     if args.phase != "both":
         if not args.l2_dir or not Path(args.l2_dir).is_dir():
             ap.error(f"--phase {args.phase} needs --l2-dir, an existing directory (got {args.l2_dir!r})")
@@ -1057,6 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
                       options={"chunks": args.chunks, "chunk_blocks": args.chunk_blocks, "chunk_size": args.chunk_size,
                                "seed": args.seed, "stay_alive": args.stay_alive,
                                "restart_pythonpath": args.restart_pythonpath, "phase": args.phase,
+                               "connector_edits": args.connector_edits,
                                "l2_dir": args.l2_dir, "state_in": args.state_in, "state_out": args.state_out,
                                "window_rule": args.window_rule,
                                "restart_window_rule": args.restart_window_rule or args.window_rule,

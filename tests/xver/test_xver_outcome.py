@@ -67,10 +67,16 @@ def test_build_parse_and_labels() -> None:
             Build.parse(bad)
 
 
-def test_same_build_always_exact() -> None:
+def test_same_build_exact_unless_it_has_the_one_of_k_bug() -> None:
+    """A build reads its own objects exactly, except a pristine sub-paged one
+    (the 1/k bug: its own restore is wrong, tier or no tier); 0.5.6's connector
+    re-views a hybrid's attention, so pristine 0.5.6 hybrids are right."""
     for b, name, cb in itertools.product(xo.ALL_BUILDS, xo.PRESETS, xo.CHUNK_BLOCKS):
-        assert expected_outcome(b, b, name, cb) == "exact"
-        assert predicted_outcome(b, b, name, cb, "today") == "exact"
+        buggy = b.state == "pristine" and xo.preset(name).k > 1 and not (
+            b.version == "0.5.6" and xo.family(name) == "hybrid")
+        want = "wrong" if buggy else "exact"
+        assert expected_outcome(b, b, name, cb) == want, (b, name, cb)
+        assert predicted_outcome(b, b, name, cb, "today") == want, (b, name, cb)
 
 
 @pytest.mark.parametrize("cb", xo.CHUNK_BLOCKS)

@@ -113,6 +113,8 @@ def family(name: str) -> str:
 def byte_class(build: Build, name: str, chunk_blocks: int) -> tuple[str, str]:
     """``(class, size)`` of the object a build writes: equal class = equal bytes;
     size "short" (1/k of the FA bytes) or "full" (every byte), on the CPU context.
+    A "one-page" class is lossy: it is the 1/k bug itself, so even its own
+    build restores it wrongly (:data:`LOSSY`).
 
     GDN generations differ only when a chunk has several blocks (C > N): with
     C = N the chunk-end block is the whole chunk.
@@ -130,6 +132,9 @@ def byte_class(build: Build, name: str, chunk_blocks: int) -> tuple[str, str]:
     if build.state == "pristine":
         return f"one-page,{gdn}", "short"
     return f"pass-major,{gdn}", "full"
+
+
+LOSSY = "one-page"  # class prefix of pristine sub-paged objects (1 of k pages per block)
 
 
 def namespace(build: Build, name: str, chunk_blocks: int, keys: str = "layout") -> str:
@@ -156,12 +161,12 @@ def predicted_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int
 
     Different keys: a miss.  Same key: the reader's L1 buffer has the reader's
     size; a shorter file is an incomplete read (a miss), a longer or equal one
-    fills the buffer (a hit), exact iff the bytes are the same class.
+    fills the buffer (a hit), exact iff the bytes are the same lossless class.
     """
     if namespace(writer, name, chunk_blocks, keys) != namespace(reader, name, chunk_blocks, keys):
         return "miss"
     (wc, ws), (rc, rs) = byte_class(writer, name, chunk_blocks), byte_class(reader, name, chunk_blocks)
-    if wc == rc:
+    if wc == rc and not wc.startswith(LOSSY):
         return "exact"
     if ws == "short" and rs == "full":
         return "miss"
@@ -170,8 +175,9 @@ def predicted_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int
 
 def expected_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int) -> str:
     """The REQUIRED outcome with layout keys.  ``wrong`` here is only ever an
-    upstream case (pristine-compatible keys on both sides, different bytes),
-    which no change to a patched build can fix (:func:`is_upstream`)."""
+    upstream case (pristine keys on both sides: different bytes, or a pristine
+    sub-paged reader, which restores 1 of k pages whatever it reads), which no
+    change to a patched build can fix (:func:`is_upstream`)."""
     return predicted_outcome(writer, reader, name, chunk_blocks, "layout")
 
 
