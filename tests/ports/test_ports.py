@@ -78,6 +78,8 @@ def test_series_applies_with_zero_fuzz(version):
     expected = ["01-staging-views.patch", "02-page-ratio.patch", "03-block-id-resync.patch"]
     if version in ("0.5.5", "0.5.6"):
         expected.append("04-dcp-guard.patch")  # DCP is ambiguous from 0.5.5 on (EXPLAINER §8)
+    # revision 2: layout-namespaced keys; hybrid groups in separate objects
+    expected += ["05-layout-keys.patch", "06-state-chunk-ends.patch"]
     assert [p.name for p in series] == expected
     overlay = provision.overlay(version, series)  # GNU patch -p1 -F0; raises on fuzz/reject
     text = "".join((overlay / p).read_text() for p in (
@@ -173,7 +175,12 @@ def test_gdn_chunk_end_only(version, patched):
     12 of 12 expected GDN slots restored (3 layers x chunk ends 3, 5, 7, 9), the
     9 non-end slots left as poison, nothing else written; the CPU cache context
     sizes the object's GDN segment for the whole chunk with the kept slots at
-    its head.  With one block per chunk every GDN slot is kept."""
+    its head.  With one block per chunk every GDN slot is kept.
+
+    Patched (part 06): the server writes the GDN state as its own object group
+    with a one-chunk window, so a retrieve restores only the state at the end
+    of the request (3 layers x the last chunk's end slot); the others stay
+    poison, and nothing else is written."""
     cells = _run(version, patched)
     for preset in ("qwen35-0.8b", "control-k1"):
         for c in _by_preset(cells, preset):
@@ -184,6 +191,13 @@ def test_gdn_chunk_end_only(version, patched):
             assert gdn["slots_restored"] == gdn["slots_expected"], c["name"]
             assert gdn["fraction"] == 1.0 and gdn["misplaced_bytes"] == 0 and gdn["foreign_bytes"] == 0
             assert gdn["not_restored_slots_written_bytes"] == 0, c["name"]
+            if patched:
+                assert c["object_group_windows"] == [1, -1], c["name"]
+                assert gdn["slots_expected"] == 3, c["name"]
+                assert gdn["object_layouts"] == (["gdn-rows-window-head"] if c["cell"]["chunk_blocks"] == 2
+                                                 else ["gdn-rows"]), c["name"]
+                continue
+            assert c["object_group_windows"] == [-1], c["name"]
             if c["cell"]["chunk_blocks"] == 2:
                 assert (gdn["keep_blocks_per_chunk"], gdn["slots_expected"],
                         gdn["slots_not_restored_by_design"]) == (1, 12, 9), c["name"]

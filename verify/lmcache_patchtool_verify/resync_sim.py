@@ -51,6 +51,22 @@ import lmcache.integration.vllm.lmcache_mp_connector as mpc
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 
+# Whether the installed lmcache is the series with part 06: its connector sends
+# a Mamba slot as null when no state may be stored for it, and its server
+# (same install) keeps a hybrid's groups in separate objects and skips an
+# all-null state chunk.  Pristine builds and the series without 06 store the
+# null block's bytes as the state of such a chunk (merged objects).
+def _server_skips_null_state() -> bool:
+    try:  # 0.5.4+; 0.5.3 keeps its tracker in the connector module (no part 06)
+        import lmcache.integration.vllm.lmcache_mp_metadata as mp_metadata  # noqa: PLC0415
+    except ImportError:
+        return False
+    return hasattr(getattr(mp_metadata, "_BlockIdResync", None), "chunk_end_state_ids")
+
+
+SERVER_SKIPS_NULL_STATE = _server_skips_null_state()
+
+
 class FakeSchedulerAdapter:
     """Stands in for the ZMQ client to the LMCache server: no hits."""
 
@@ -307,6 +323,12 @@ class Sim:
                 first = op.start // tpb
                 for k, b in enumerate(ids):
                     slot = first + k
+                    if b == 0 and g in self.mamba_groups and SERVER_SKIPS_NULL_STATE:
+                        # The series' part 06 sends a Mamba slot as null where no
+                        # state of this chunk may be stored (non-end slots, lost
+                        # states) and its server then skips the chunk's state
+                        # object: nothing is read from the null block.
+                        continue
                     want = truth[g][slot] if slot < len(truth[g]) else None
                     if b != want:
                         problems.append(f"g{g} slot{slot}: reads block {b}, vLLM has {want}"
