@@ -5,9 +5,11 @@ runtime venv with ``PYTHONPATH = <lmcache overlay>:<vLLM 0.27.1 layer>:verify``.
 One CLI run per (version, build) yields every scenario of the set (one import
 of vLLM and LMCache per run: ~15 s), cached for the session.
 
-Builds: ``pristine`` (the wheel) and ``patched`` (the hybrid-fa series as git
+Builds: ``pristine`` (the wheel), ``patched`` (the hybrid-fa series as git
 tracks it: ``git ls-files``, so a patch still untracked in a working tree, a
-revision in progress, is not picked up until it is added).
+revision in progress, is not picked up until it is added) and ``r1`` (that
+series without the parts revision 2 added, :data:`R2_PARTS`: part 03 revision
+1 alone, kept as the measured baseline).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import provision  # made importable by tests/conftest.py
 REPO = Path(__file__).resolve().parents[2]
 VERIFY = REPO / "verify"
 SIM = ["-m", "lmcache_patchtool_verify.sched_sim"]  # verify/ on PYTHONPATH
+
+
+R2_PARTS = ("06-",)  # file-name prefixes of the parts hybrid-fa revision 2 added
 
 
 def tracked_series(version: str) -> list[Path]:
@@ -49,8 +54,10 @@ def sched_run(tmp_path_factory) -> Callable[..., dict[str, dict[str, Any]]]:
         key = (version, build, scenarios)
         if key in cache:
             return cache[key]
-        patches = tracked_series(version) if build == "patched" else None
-        if build == "patched" and not any(p.name.startswith("03-") for p in patches or ()):
+        patches = tracked_series(version) if build in ("patched", "r1") else None
+        if build == "r1":
+            patches = [p for p in patches or () if not p.name.startswith(R2_PARTS)]
+        if patches is not None and not any(p.name.startswith("03-") for p in patches):
             pytest.fail(f"no tracked 03 patch for {version}")
         overlay = provision.overlay(version, patches)
         layer = provision_vllm.vllm_layer(version)
@@ -68,7 +75,7 @@ def sched_run(tmp_path_factory) -> Callable[..., dict[str, dict[str, Any]]]:
         results = {r["scenario"]: r for r in json.loads(out.read_text())}
         for r in results.values():
             if r.get("constructed"):
-                assert r["patched"] == (build == "patched"), "wrong lmcache on the path"
+                assert r["patched"] == (build != "pristine"), "wrong lmcache on the path"
             r["stderr_tail"] = proc.stderr[-2000:]
         cache[key] = results
         return results

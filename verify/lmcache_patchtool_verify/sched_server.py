@@ -50,6 +50,9 @@ class ChunkWrite:
     mamba_end_ok: bool  # every Mamba group's chunk-end slot holds the true state
     mamba_mid_ok: bool  # the other Mamba slots the server reads (0.5.3) do too
     problems: list[str] = field(default_factory=list)
+    # What the server read from each kept Mamba slot: (group, block index in
+    # the chunk) -> content; a retrieve writes exactly this back.
+    mamba_read: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     @property
     def stored(self) -> bool:
@@ -123,12 +126,13 @@ class FakeServer:
                     fa_ok = False
                     problems.append(f"FA g{g} slot{slot}: block {b} holds {truth.fa.get(b)}")
         end_ok = mid_ok = True
+        read: dict[tuple[int, int], Any] = {}
         for g in self.mamba_groups:
             blocks = ids[g]
             for k in range(len(blocks) - keep, len(blocks)):
                 slot = a // n + k
                 want = digest(rid, (slot + 1) * n)
-                got = truth.mamba_content(blocks[k])
+                got = read[(g, k)] = truth.mamba_content(blocks[k])
                 if got != want:
                     if k == len(blocks) - 1:
                         end_ok = False
@@ -137,7 +141,31 @@ class FakeServer:
                     what = "null block" if blocks[k] == NULL_BLOCK else repr(got)
                     problems.append(f"Mamba g{g} slot{slot}: block {blocks[k]} holds {what}")
         return ChunkWrite(b_end, rid, digest(rid, b_end), fa_stored, mamba_stored,
-                          fa_ok, end_ok, mid_ok, problems)
+                          fa_ok, end_ok, mid_ok, problems, read)
+
+    def restore(self, rid: str, start: int, end: int, block_ids: list[list[int]],
+                truth: Truth, digest: Callable[[str, int], int]) -> None:
+        """One RETRIEVE op: write each chunk's stored bytes into the request's
+        blocks (FA: every block; Mamba: the kept slots, as stored)."""
+        n, c = self.block_size, self.chunk
+        bpc = c // n
+        keep = self.rules.mamba_keep_blocks(bpc)
+        for i in range((end - start) // c):
+            a = start + i * c
+            key = digest(rid, a + c)
+            ids = [list(g[i * bpc:(i + 1) * bpc]) for g in block_ids]
+            fa = self.fa_objects.get(key)
+            for g in self.fa_groups:
+                for k, b in enumerate(ids[g]):
+                    slot = a // n + k
+                    good = fa is not None and fa.fa_ok
+                    truth.load_fa(b, rid, slot, (slot + 1) * n if good else slot * n)
+            obj = self.mamba_objects.get(key)
+            if obj is None:
+                continue
+            for g in self.mamba_groups:
+                for k in range(len(ids[g]) - keep, len(ids[g])):
+                    truth.load_state(ids[g][k], obj.mamba_read.get((g, k)))
 
     # ---- lookups --------------------------------------------------------
     def hit(self, prefix_digests: list[int]) -> tuple[int, ChunkWrite | None]:

@@ -27,8 +27,8 @@ import importlib.util
 import json
 import sys
 import types
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable
 
 from .sched_server import FakeServer, ServerRules
 from .sched_truth import Digests, StepInput, Truth, cdiv
@@ -161,31 +161,48 @@ def build_kv_cache_config(num_blocks: int, num_spec: int):
 
 
 class FakeSchedulerAdapter:
-    """Stands in for the ZMQ client to the LMCache server.  Lookups of the
-    first-phase requests miss (their prompts are new); hits of the second
-    request are computed from the modelled server instead (see ``analyse``)."""
+    """Stands in for the ZMQ client to the LMCache server.  ``lookup`` (the
+    modelled server) answers lookups; without it every lookup misses (the
+    first request's prompt is new).  ``reserve_last_token`` is honoured as the
+    real adapter does (0.5.6: ``lookup_tokens = len(token_ids) - 1``)."""
+
+    lookup: Callable[[list[int]], int] | None = None  # set per Sim by _install_connector
 
     def __init__(self, *, lmcache_tokens_per_chunk: int, **_: Any):
         self.lmcache_tokens_per_chunk = lmcache_tokens_per_chunk
+        self._results: dict[str, int] = {}
 
-    def maybe_submit_lookup_request(self, *a: Any, **k: Any) -> None: ...
-    def check_lookup_result(self, request_id: str) -> int:  # noqa: ARG002
-        return 0
-    def cleanup_lookup_result(self, *a: Any, **k: Any) -> None: ...
+    def maybe_submit_lookup_request(self, request_id: str, token_ids: list[int],
+                                    *a: Any, reserve_last_token: bool = False,
+                                    **k: Any) -> None:
+        if request_id not in self._results:
+            tokens = list(token_ids)[:len(token_ids) - int(reserve_last_token)]
+            self._results[request_id] = self.lookup(tokens) if self.lookup else 0
+
+    def check_lookup_result(self, request_id: str) -> int:
+        return self._results.get(request_id, 0)
+
+    def cleanup_lookup_result(self, request_id: str, *a: Any, **k: Any) -> None:
+        self._results.pop(request_id, None)
+
     def free_lookup_locks(self, *a: Any, **k: Any) -> None: ...
     def report_block_allocations(self, *a: Any, **k: Any) -> None: ...
     def end_session(self, *a: Any, **k: Any) -> None: ...
     def shutdown(self) -> None: ...
 
 
-def _install_connector(chunk: int) -> Any:
+def _install_connector(chunk: int, lookup: Callable[[list[int]], int] | None = None) -> Any:
     """Make the Scheduler's connector factory build the real LMCacheMPConnector
     (scheduler role) with the fake adapter; returns the connector module."""
     import lmcache.integration.vllm.lmcache_mp_connector as mpc  # noqa: PLC0415
     import vllm.v1.core.sched.scheduler as sched_mod  # noqa: PLC0415
 
-    mpc.LMCacheMPSchedulerAdapter = lambda **kw: FakeSchedulerAdapter(  # type: ignore[assignment]
-        **{**kw, "lmcache_tokens_per_chunk": chunk})
+    def adapter(**kw: Any) -> FakeSchedulerAdapter:
+        a = FakeSchedulerAdapter(**{**kw, "lmcache_tokens_per_chunk": chunk})
+        a.lookup = lookup
+        return a
+
+    mpc.LMCacheMPSchedulerAdapter = adapter  # type: ignore[assignment]
 
     class Factory:
         @staticmethod
@@ -235,7 +252,10 @@ class Phase1:
 
 
 class Sim:
-    def __init__(self, sc: Scenario, objects: str = "auto"):
+    def __init__(self, sc: Scenario, objects: str = "auto", server: FakeServer | None = None):
+        """``server``: a modelled LMCache server filled by an earlier Sim (a
+        restart: fresh vLLM, same LMCache); lookups then hit it, RETRIEVE ops
+        load from it, and this Sim's own stores are not added to it."""
         from vllm.utils.hashing import sha256  # noqa: PLC0415
         from vllm.v1.core.kv_cache_utils import (  # noqa: PLC0415
             get_request_block_hasher, init_none_hash)
@@ -249,7 +269,8 @@ class Sim:
         # at once in decode (the second one, B, is preempted and resumes).
         num_blocks = cdiv(sc.prompt + sc.max_tokens, N) + PREEMPT_SLACK_BLOCKS \
             if sc.preempt else 2 * need + 8
-        self.mpc = _install_connector(sc.chunk)
+        self.restarted = server is not None
+        self.mpc = _install_connector(sc.chunk, self._lookup if server is not None else None)
         self.patched = hasattr(self.mpc, "_BlockIdResync")
         self.phase = Phase1()
         self._wrap_refusals()
@@ -261,12 +282,18 @@ class Sim:
         self.hasher = get_request_block_hasher(N, sha256)
         self.mamba_groups, self.fa_groups = [0, 1], [2]
         self.truth = Truth(N, self.mamba_groups, self.fa_groups, sc.num_spec)
-        self.server = FakeServer(N, sc.chunk, self.mamba_groups, self.fa_groups, server_rules(objects))
+        self.server = server or FakeServer(N, sc.chunk, self.mamba_groups, self.fa_groups,
+                                           server_rules(objects))
         self.digests = Digests()
         self.requests: dict[str, Any] = {}
         self._out_pos: dict[str, int] = {}
         self._accept_i = 0
         self._sending: set[str] = set()
+        self.first_computed: dict[str, int] = {}  # num_computed_tokens when first scheduled
+        self.retrieves: list[tuple[str, int, int]] = []
+
+    def _lookup(self, tokens: list[int]) -> int:
+        return self.server.hit(Digests().of("lookup", tokens))[0]
 
     def _wrap_refusals(self) -> None:
         """Count chunks part 03 refuses: ``storable_chunks`` advances
@@ -326,7 +353,22 @@ class Sim:
         # (all of them: stores are read at the end of their step here), so
         # blocks the connector asked to keep (delay_free_blocks) are freed.
         sending, self._sending = self._sending, set()
-        kv_out = KVConnectorOutput(finished_sending=sending) if sending else None
+        meta = getattr(so, "kv_connector_metadata", None)
+        recving: set[str] = set()
+        for m in getattr(meta, "requests", ()) or ():
+            if m.direction == "RETRIEVE":
+                # The worker loads before this step's forward; the request
+                # waits (WAITING_FOR_REMOTE_KVS) until it reports the load done.
+                self.server.restore(m.request_id, m.op.start, m.op.end,
+                                    [list(g) for g in m.op.block_ids], self.truth, self.digest)
+                self.truth.loaded.add(m.request_id)
+                self.retrieves.append((m.request_id, m.op.start, m.op.end))
+                recving.add(m.request_id)
+        kv_out = (KVConnectorOutput(finished_sending=sending or None,
+                                    finished_recving=recving or None)
+                  if sending or recving else None)
+        for nr in so.scheduled_new_reqs:
+            self.first_computed.setdefault(nr.req_id, nr.num_computed_tokens)
         if so.total_num_scheduled_tokens == 0:
             self.scheduler.update_from_output(so, ModelRunnerOutput(
                 req_ids=[], req_id_to_index={}, kv_connector_output=kv_out))
@@ -363,7 +405,6 @@ class Sim:
                 self.phase.drafts_accepted[ok] = self.phase.drafts_accepted.get(ok, 0) + 1
             inputs.append(StepInput(rid, c, s, drafts, ok))
             sampled.append(toks)
-        meta = getattr(so, "kv_connector_metadata", None)
         mro = ModelRunnerOutput(req_ids=req_ids,
                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=kv_out)
@@ -381,8 +422,8 @@ class Sim:
         # The worker's writes for this step, then the stores it planned read.
         self.truth.apply(inputs, self.digest, self._sched_lists)
         for m in getattr(meta, "requests", ()) or ():
-            if m.direction != "STORE":
-                continue
+            if m.direction != "STORE" or self.restarted:
+                continue  # after a restart the server is read-only here
             self.phase.store_ops += 1
             self.server.store(m.request_id, m.op.start, m.op.end,
                               [list(g) for g in m.op.block_ids], self.truth, self.digest)
@@ -440,7 +481,7 @@ def second_prompts(sim: Sim, rid: str) -> dict[str, dict[str, Any]]:
             "c": {"tokens": diverge(mid, 2), "shared": mid}}
 
 
-def analyse(sim: Sim, rid: str) -> dict[str, Any]:
+def analyse(sim: Sim, rid: str, restore: bool = True) -> dict[str, Any]:
     c = sim.sc.chunk
     materialized = sim.truth.materialized.get(rid, set())
     computed = len(sim.requests[rid].all_token_ids)
@@ -458,7 +499,28 @@ def analyse(sim: Sim, rid: str) -> dict[str, Any]:
                                    for e in range(c, hit + 1, c)),
             **({"inside_step": q["inside_step"]} if "inside_step" in q else {}),
         }
+        if restore:
+            out[name]["restore"] = restart_and_load(sim, name, toks)
     return out
+
+
+def restart_and_load(sim: Sim, name: str, tokens: list[int]) -> dict[str, Any]:
+    """The second request through a restarted vLLM (fresh Scheduler, KV cache
+    and connector) against the same modelled LMCache server: the connector's
+    own lookup handling, RETRIEVE ops loaded into the new blocks, and whether
+    the SSM state the request then starts from is the true one."""
+    rid = f"Q{name}"
+    sc = replace(sim.sc, max_tokens=1, preempt=False)
+    try:
+        sim2 = Sim(sc, server=sim.server)
+        sim2.add(rid, tokens, 1)
+        sim2.run()
+    except (AssertionError, RuntimeError) as exc:  # vLLM or the connector gave up
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"vllm_start_tokens": sim2.first_computed.get(rid, 0),
+            "loaded_tokens": sum(e - s for r, s, e in sim2.retrieves if r == rid),
+            "restored_state_ok": sim2.truth.restored.get(rid),
+            "model_inconsistencies": sim2.truth.inconsistencies[:5]}
 
 
 def run_scenario(sc: Scenario, objects: str = "auto") -> dict[str, Any]:
@@ -488,13 +550,30 @@ def run_scenario(sc: Scenario, objects: str = "auto") -> dict[str, Any]:
                             for w in sim.server.writes if w.wrong_block][:20],
            "second": analyse(sim, "A")}
     res["wrong_state_hits"] = sum(v["wrong_state_hit"] for v in res["second"].values())
+    # End to end, after a restart: the SSM state vLLM starts from after the
+    # load is not the true one (None = nothing loaded: not counted).
+    res["wrong_state_restores"] = sum(v.get("restore", {}).get("restored_state_ok") is False
+                                      for v in res["second"].values())
+    res["restore_errors"] = sum("error" in v.get("restore", {}) for v in res["second"].values())
     return res
 
 
 # -------------------------------------------------------------------- output
+def _cell(s: dict[str, Any]) -> str:
+    """``hit / ideal``, ✗ for a wrong-state hit, and where vLLM really starts
+    after the restart and load when that differs (✗: from a wrong state)."""
+    out = f"{s['hit_tokens']} / {s['ideal_tokens']}" + (" ✗" if s["wrong_state_hit"] else "")
+    rs = s.get("restore") or {}
+    if "error" in rs:
+        return out + " (restore error)"
+    if rs and (rs["vllm_start_tokens"] != s["hit_tokens"] or rs["restored_state_ok"] is False):
+        out += f" → {rs['vllm_start_tokens']}" + (" ✗" if rs["restored_state_ok"] is False else "")
+    return out
+
+
 def markdown(results: list[dict[str, Any]]) -> str:
     head = ("| version | build | schedule | C | prompt | stored / refused / wrong-block "
-            "| wrong-state hits | hit / ideal (a) | hit / ideal (b) | hit / ideal (c) |\n"
+            "| wrong-state hits / restores | hit / ideal (a) | hit / ideal (b) | hit / ideal (c) |\n"
             "|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for r in results:
@@ -513,12 +592,10 @@ def markdown(results: list[dict[str, Any]]) -> str:
             continue
         sec = r["second"]
         cols += [f"{r['chunks_stored']} / {r['refused_chunks']} / {r['wrong_block_stores']}",
-                 str(r["wrong_state_hits"])]
-        cols += [f"{sec[k]['hit_tokens']} / {sec[k]['ideal_tokens']}"
-                 + (" ✗" if sec[k]["wrong_state_hit"] else "") for k in ("a", "b", "c")]
+                 f"{r['wrong_state_hits']} / {r.get('wrong_state_restores', '-')}"]
+        cols += [_cell(sec[k]) for k in ("a", "b", "c")]
         if "a+" in sec:  # the follow-up turn (prompt + output), after (a)
-            cols[-3] += (f"; +out {sec['a+']['hit_tokens']} / {sec['a+']['ideal_tokens']}"
-                         + (" ✗" if sec["a+"]["wrong_state_hit"] else ""))
+            cols[-3] += "; +out " + _cell(sec["a+"])
         rows.append("| " + " | ".join(cols) + " |")
     return head + "\n".join(rows) + "\n"
 

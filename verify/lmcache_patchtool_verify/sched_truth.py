@@ -102,6 +102,10 @@ class Truth:
     # true state after the request's computed tokens, or the worker touched a
     # slot whose block vLLM's scheduler does not list there.
     inconsistencies: list[str] = field(default_factory=list)
+    # Requests whose prefix was loaded from LMCache, and per such request
+    # whether the running state it starts from after the load is the true one.
+    loaded: set[str] = field(default_factory=set)
+    restored: dict[str, bool] = field(default_factory=dict)
 
     # ---- worker block tables (gpu_model_runner._update_states) ------------
     def update_tables(self, so: Any) -> None:
@@ -187,6 +191,8 @@ class Truth:
         curr = cdiv(st.computed + st.scheduled, n) - 1
         self.state_idx[rid] = curr
         bias = self.num_accepted.get(rid, 1) - 1
+        first_after_load = rid in self.loaded and rid not in self.restored
+        restored_ok = True
         for g in self.mamba_groups:
             # preprocess_mamba: the running state moves to the new slot.
             if prev != -1 and prev != curr:
@@ -198,7 +204,10 @@ class Truth:
                 init = self.mamba.get(self._block(rid, g, curr + bias))
             else:
                 init = "fresh"
-            if st.computed > 0 and init != digest(rid, st.computed):
+            if first_after_load:
+                # First step after an LMCache load: the verdict on the restore.
+                restored_ok &= init == digest(rid, st.computed)
+            elif st.computed > 0 and init != digest(rid, st.computed):
                 self.inconsistencies.append(
                     f"{rid} g{g}: step starts at {st.computed} tokens but its running "
                     f"state is {init!r}")
@@ -211,6 +220,8 @@ class Truth:
                            else DraftState(rid, running + j, tuple(st.drafts[:j])))
                 self._write_state(rid, self._block(rid, g, curr + j), content,
                                   running + j if j <= acc else None)
+        if first_after_load:
+            self.restored[rid] = restored_ok
         if not d and st.accepted is None:
             self.num_accepted[rid] = 1
             return
@@ -233,6 +244,15 @@ class Truth:
             src = self.mamba.get(self._block(rid, g, curr + shift))
             self._write_state(rid, self._block(rid, g, dest), src,
                               aligned if src == digest(rid, aligned) else None)
+
+    # ---- LMCache loads (the server writes stored bytes into blocks) --------
+    def load_fa(self, b: int, rid: str, slot: int, hi: int) -> None:
+        if b != NULL_BLOCK:
+            self.fa[b] = FaContent(rid, slot, hi)
+
+    def load_state(self, b: int, content: Any) -> None:
+        if b != NULL_BLOCK:
+            self.mamba[b] = content
 
     # ---- reading ------------------------------------------------------------
     def fa_digest(self, b: int, digest: Callable[[str, int], int]) -> int | None:
