@@ -257,6 +257,8 @@ def cell(w: Build, r: Build, p: dict[str, Any], wp: dict[str, Any], cb: int) -> 
         "foreign_bytes": x.get("foreign_bytes"),
         "fa_fidelity": fa.get("pages_fraction") if fa else None,
         "gdn_fidelity": gdn.get("blocks_fraction") if gdn else None,
+        "fa_byte_fraction": fa.get("byte_fraction") if fa else None,
+        "gdn_byte_fraction": gdn.get("byte_fraction") if gdn else None,
         "l2_model_fields": (wp.get("on_disk") or {}).get("model_fields"),
         "object_bytes": (wp.get("on_disk") or {}).get("object_bytes"),
     }
@@ -350,7 +352,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="leave this patch (file stem, e.g. 05-layout-keys) out of every patched build")
     ap.add_argument("--series-rev", metavar="REV",
                     help="take the patch series from this git commit (e.g. HEAD) instead of the working tree")
-    ap.add_argument("--expect", choices=["layout", "today"], default="layout",
+    ap.add_argument("--expect", choices=["layout", "today", "05", "06"], default="layout",
                     help="check cells against the outcome required with layout keys (default) or the one the "
                          "byte classes predict with today's bare keys (use with --exclude-patch 05-layout-keys)")
     ap.add_argument("--quiet", action="store_true")

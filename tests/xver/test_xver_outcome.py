@@ -80,21 +80,40 @@ def test_same_build_exact_unless_it_has_the_one_of_k_bug() -> None:
 
 
 @pytest.mark.parametrize("cb", xo.CHUNK_BLOCKS)
-def test_byte_identical_pairs_hit_exactly(cb: int) -> None:
-    """Design doc 3.3: the pairs whose objects are byte-identical must hit exactly."""
+def test_shared_objects_hit_exactly(cb: int) -> None:
+    """Design doc 3.3 + the namespaces the series logs (tests/ports/test_layout_keys.py):
+    builds that share an object must hit it exactly, the others must miss."""
     for w, r in PAIRS:
         assert expected_outcome(w, r, "pure-attn-k1", cb) == "exact", (w, r)  # non-hybrid k=1: one class
-        if cb == 1:
-            assert expected_outcome(w, r, "control-k1", cb) == "exact", (w, r)  # hybrid k=1, C=N: one class
         if w.state == r.state == "patched":
             assert expected_outcome(w, r, "pure-attn-bs128", cb) == "exact", (w, r)  # one fingerprint
-    # 0.5.6: the series leaves the re-viewed hybrid group alone, so pristine = patched
-    assert expected_outcome(P["0.5.6"], S["0.5.6"], "qwen35-0.8b", cb) == "exact"
-    assert expected_outcome(S["0.5.6"], P["0.5.6"], "qwen35-0.8b", cb) == "exact"
-    # hybrid k=17: S-old = S-mid only when a chunk is one block
+    sep = [S["0.5.4"], S["0.5.5"], S["0.5.6"]]  # 06: separate, namespaced GDN + attention objects
+    bare = [P[v] for v in xo.VERSIONS] + [S["0.5.3"]]
+    for w, r in itertools.product(sep, sep):
+        assert expected_outcome(w, r, "control-k1", cb) == "exact", (w, r)  # same GDN, same k=1 attention
+        fa_same = (w.version == "0.5.6") == (r.version == "0.5.6")  # 0.5.6's attention is re-viewed
+        assert expected_outcome(w, r, "qwen35-0.8b", cb) == ("exact" if fa_same else "miss"), (w, r)
+    for w, r in itertools.product(sep, bare):
+        for name in ("qwen35-0.8b", "control-k1"):
+            assert expected_outcome(w, r, name, cb) == expected_outcome(r, w, name, cb) == "miss", (w, r, name)
+    if cb == 1:  # hybrid k=1, C=N: one class for every build that keeps the bare key
+        for w, r in itertools.product(bare, bare):
+            assert expected_outcome(w, r, "control-k1", cb) == "exact", (w, r)
+
+
+@pytest.mark.parametrize("cb", xo.CHUNK_BLOCKS)
+def test_revision_05_keys(cb: int) -> None:
+    """Up to 05-layout-keys (before 06 separated the groups): 0.5.6 hybrids keep the
+    pristine key on both states, S-old = S-mid at C=N, and patched 0.5.3 hybrids at
+    C>N get their own namespace, even at k=1."""
+    def o(w, r, name):
+        return predicted_outcome(w, r, name, cb, "05")
+    assert o(P["0.5.6"], S["0.5.6"], "qwen35-0.8b") == o(S["0.5.6"], P["0.5.6"], "qwen35-0.8b") == "exact"
     for mid in ("0.5.4", "0.5.5"):
-        assert expected_outcome(S["0.5.3"], S[mid], "qwen35-0.8b", cb) == ("exact" if cb == 1 else "miss")
-        assert expected_outcome(S[mid], S["0.5.3"], "qwen35-0.8b", cb) == ("exact" if cb == 1 else "miss")
+        assert o(S["0.5.3"], S[mid], "qwen35-0.8b") == o(S[mid], S["0.5.3"], "qwen35-0.8b") == \
+            ("exact" if cb == 1 else "miss")
+    assert o(S["0.5.3"], P["0.5.3"], "control-k1") == ("exact" if cb == 1 else "miss")
+    assert o(S["0.5.4"], P["0.5.4"], "control-k1") == "exact"
 
 
 def test_issue_12_wrong_hits_today_become_misses() -> None:
@@ -112,7 +131,7 @@ def test_wrong_is_required_only_for_upstream_pairs() -> None:
     upstream = set()
     for (w, r), name, cb in itertools.product(PAIRS, xo.PRESETS, xo.CHUNK_BLOCKS):
         if expected_outcome(w, r, name, cb) == "wrong":
-            assert xo.namespace(w, name, cb) == xo.namespace(r, name, cb) == "", (w, r, name, cb)
+            assert xo.namespace(w, name, cb) == xo.namespace(r, name, cb) == ("",), (w, r, name, cb)
             assert xo.is_upstream(w, r, name, cb)
             upstream.add((w, r, name, cb))
     # the gate's positive control is one of them: pristine 0.5.6 -> pristine 0.5.4 hybrid k=17

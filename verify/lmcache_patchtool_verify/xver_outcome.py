@@ -137,34 +137,64 @@ def byte_class(build: Build, name: str, chunk_blocks: int) -> tuple[str, str]:
 LOSSY = "one-page"  # class prefix of pristine sub-paged objects (1 of k pages per block)
 
 
-def namespace(build: Build, name: str, chunk_blocks: int, keys: str = "layout") -> str:
-    """The model-name suffix a build's keys carry: "" = today's key.
+# Which keys a series revision writes (--expect / keys=):
+#   today  every build under the bare model name (the series before 05-layout-keys);
+#   05     hybrid-fa revision 2 up to 05-layout-keys (commit c1efd70);
+#   06     plus 06-state-chunk-ends (0.5.4-0.5.6 write a hybrid's groups as
+#          separate, namespaced objects; the GDN state group has a one-chunk window).
+# "layout" is the series as it stands (06).
+KEYS = ("today", "05", "06")
+CURRENT_KEYS = "06"
 
-    ``keys="layout"`` (05-layout-keys): "" unless the series expanded a group
-    (patched, k > 1) and wrote something other than the pristine build; then a
-    fingerprint of the bytes' layout, equal across versions exactly when the
-    pass-major bytes are (section 4.1).  ``keys="today"``: "" everywhere.
+
+def namespace(build: Build, name: str, chunk_blocks: int, keys: str = "layout") -> tuple[str, ...]:
+    """The model-name suffix of each object group a build's keys carry ("" = the
+    bare key), as equality tokens: two builds share an object iff the tokens are
+    equal.  Follows the namespaces the patched servers log, pinned per version,
+    preset and chunk size in tests/ports/test_layout_keys.py (REGISTERED), which
+    are design doc 4.1's rule with two deviations the series chose:
+
+    * patched 0.5.3 hybrids at C > N are namespaced even at k = 1 (their
+      all-blocks GDN differs from 0.5.4+'s chunk-end GDN), so patched 0.5.3
+      escapes the P-old <-> P-mid collision;
+    * from 06, patched 0.5.4-0.5.6 hybrids (any k, 0.5.6 included) write the
+      GDN state and the attention as separate object groups, both namespaced;
+      the GDN objects are the same on 0.5.4-0.5.6.
     """
-    if keys == "today":
-        return ""
-    if keys != "layout":
-        raise ValueError(f"keys {keys!r}: layout or today")
+    keys = CURRENT_KEYS if keys == "layout" else keys
+    if keys not in KEYS:
+        raise ValueError(f"keys {keys!r}: one of {', '.join(KEYS)} or layout")
     fam = family(name)
-    if build.state == "pristine" or fam.endswith("-k1"):
-        return ""
+    if keys == "today" or build.state == "pristine" or fam == "pure-k1":
+        return ("",)
+    if fam == "pure":
+        return (f"kvl1[pure-pass-major,C={chunk_blocks}N]",)
+    gen = build.generation
+    if keys == "06" and gen != "old":
+        fa = {"hybrid-k1": "engine", "hybrid": "0.5.6-review" if gen == "new" else "pass-major"}[fam]
+        return (f"kvl1[gdn-state,C={chunk_blocks}N]", f"kvl1[fa-{fa},C={chunk_blocks}N]")
+    if fam == "hybrid-k1":
+        return (f"kvl1[0.5.3-k1,C={chunk_blocks}N]",) if gen == "old" and chunk_blocks > 1 else ("",)
+    if gen == "new":  # 05: 0.5.6's re-viewed group is left alone, pristine key
+        return ("",)
     cls, _ = byte_class(build, name, chunk_blocks)
-    return "" if cls.startswith("0.5.6-review") else f"kvl1[{cls}]"
+    return (f"kvl1[{cls},C={chunk_blocks}N]",)
 
 
 def predicted_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int, keys: str = "layout") -> str:
     """What the byte classes predict the CPU gate sees.
 
-    Different keys: a miss.  Same key: the reader's L1 buffer has the reader's
-    size; a shorter file is an incomplete read (a miss), a longer or equal one
-    fills the buffer (a hit), exact iff the bytes are the same lossless class.
+    Different keys (any object group): a miss.  Same namespaced keys: the same
+    layout by construction, exact.  Same bare keys: the reader's L1 buffer has
+    the reader's size; a shorter file is an incomplete read (a miss), a longer
+    or equal one fills the buffer (a hit), exact iff the bytes are the same
+    lossless class.
     """
-    if namespace(writer, name, chunk_blocks, keys) != namespace(reader, name, chunk_blocks, keys):
+    ns_w, ns_r = namespace(writer, name, chunk_blocks, keys), namespace(reader, name, chunk_blocks, keys)
+    if ns_w != ns_r:
         return "miss"
+    if ns_w != ("",):
+        return "exact"
     (wc, ws), (rc, rs) = byte_class(writer, name, chunk_blocks), byte_class(reader, name, chunk_blocks)
     if wc == rc and not wc.startswith(LOSSY):
         return "exact"
@@ -178,7 +208,7 @@ def expected_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int)
     upstream case (pristine keys on both sides: different bytes, or a pristine
     sub-paged reader, which restores 1 of k pages whatever it reads), which no
     change to a patched build can fix (:func:`is_upstream`)."""
-    return predicted_outcome(writer, reader, name, chunk_blocks, "layout")
+    return predicted_outcome(writer, reader, name, chunk_blocks, CURRENT_KEYS)
 
 
 def is_upstream(writer: Build, reader: Build, name: str, chunk_blocks: int) -> bool:
