@@ -191,6 +191,24 @@ def test_patched_usefulness_under_multi_block_steps(sched_run, version, build, s
     assert_patched_usefulness(r, "r1" if build == "r1" else expected_build(version))
 
 
+@pytest.mark.skipif(not FULL, reason="wide matrix: LMCACHE_PATCHTOOL_SCHED_FULL=1")
+@pytest.mark.parametrize("version", [v for v in VERSIONS if v != "0.5.3"])
+def test_patched_usefulness_in_every_multi_block_scenario(sched_run, version):
+    """Issue 11's "done when" over the whole matrix: every scenario with
+    steps >= 2N reaches ``expected_build(version)``'s bar."""
+    expected = expected_build(version)
+    short = []
+    for r in _constructed(_runs(sched_run, version, "patched")):
+        if r["max_num_batched_tokens"] < 2 * N or not any(
+                s["ideal_tokens"] for s in r["second"].values()):
+            continue
+        ratio = _hit_ratio(r)
+        if (ratio < R2_HIT_RATIO_MIN) if expected == "r2" else (ratio > R1_HIT_RATIO_MAX):
+            short.append((r["scenario"], round(ratio, 3),
+                          {k: (s["hit_tokens"], s["ideal_tokens"]) for k, s in r["second"].items()}))
+    assert not short, short
+
+
 def test_pristine_053_refuses_multi_block_schedules(sched_run):
     """0.5.3's connector enforces block_size <= max_num_batched_tokens < 2N
     (validate_mamba_step_alignment): the 2048/8192 configs never start."""

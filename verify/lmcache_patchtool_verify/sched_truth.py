@@ -173,11 +173,25 @@ class Truth:
                 self.fa[b] = FaContent(st.rid, slot,
                                        max(lo, hi) if base >= max(lo, st.computed) else base)
 
-    def _write_state(self, rid: str, b: int, content: Any, tokens: int | None) -> None:
+    def _write_state(self, rid: str, g: int, slot: int, content: Any, tokens: int | None,
+                     lists: list[list[int]] | None) -> None:
+        """Write ``content`` into the worker's block at ``slot``.  ``tokens``:
+        the committed prefix whose true state this is (None: not one).
+
+        It counts as materialized (for the ideal) only where vLLM itself keeps
+        it: at a block boundary, in the slot of the block ending there
+        ("slot p holds the state after exactly (p + 1) * block_size tokens"),
+        and in a block the scheduler's list names at that slot.  The worker's
+        append-only table can still name a block the scheduler has moved away
+        (a relocated speculative block): the state lands there, but no list
+        names it, so no connector following vLLM's lists could store it."""
+        b = self._block(rid, g, slot)
         if b == NULL_BLOCK:
             return  # writes into the null block are lost; it stays garbage
         self.mamba[b] = content
-        if tokens is not None:
+        n = self.block_size
+        listed = lists is None or (slot < len(lists[g]) and lists[g][slot] == b)
+        if tokens is not None and tokens % n == 0 and slot == tokens // n - 1 and listed:
             self.materialized.setdefault(rid, set()).add(tokens)
 
     def _mamba_writes(self, st: StepInput, digest: Callable[[str, int], int],
@@ -198,7 +212,7 @@ class Truth:
             if prev != -1 and prev != curr:
                 self._check_slot(rid, g, prev + bias, lists, "copies from")
                 src = self.mamba.get(self._block(rid, g, prev + bias))
-                self._write_state(rid, self._block(rid, g, curr), src, None)
+                self._write_state(rid, g, curr, src, None, lists)
                 init = src
             elif prev != -1:
                 init = self.mamba.get(self._block(rid, g, curr + bias))
@@ -213,13 +227,13 @@ class Truth:
                     f"state is {init!r}")
             # Forward: state after the non-draft tokens, then one per draft.
             self._check_slot(rid, g, curr, lists, "writes")
-            self._write_state(rid, self._block(rid, g, curr), digest(rid, running), running)
+            self._write_state(rid, g, curr, digest(rid, running), running, lists)
             acc = st.accepted or 0
             for j in range(1, d + 1):
                 content = (digest(rid, running + j) if j <= acc
                            else DraftState(rid, running + j, tuple(st.drafts[:j])))
-                self._write_state(rid, self._block(rid, g, curr + j), content,
-                                  running + j if j <= acc else None)
+                self._write_state(rid, g, curr + j, content,
+                                  running + j if j <= acc else None, lists)
         if first_after_load:
             self.restored[rid] = restored_ok
         if not d and st.accepted is None:
@@ -242,8 +256,8 @@ class Truth:
                 return
         for g in self.mamba_groups:
             src = self.mamba.get(self._block(rid, g, curr + shift))
-            self._write_state(rid, self._block(rid, g, dest), src,
-                              aligned if src == digest(rid, aligned) else None)
+            self._write_state(rid, g, dest, src,
+                              aligned if src == digest(rid, aligned) else None, lists)
 
     # ---- LMCache loads (the server writes stored bytes into blocks) --------
     def load_fa(self, b: int, rid: str, slot: int, hi: int) -> None:
