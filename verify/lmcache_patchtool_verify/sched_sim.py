@@ -343,6 +343,9 @@ class Sim:
             DraftTokenIds, KVConnectorOutput, ModelRunnerOutput)
 
         so = self.scheduler.schedule()
+        # States made true by accepted drafts last step: still there now that
+        # the connector could plan their store?
+        self.truth.confirm_pending(self._sched_lists, self.digest)
         self.phase.steps += 1
         if so.preempted_req_ids:
             self.phase.events.append(f"step {self.phase.steps}: preempt "

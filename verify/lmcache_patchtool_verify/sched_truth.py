@@ -93,6 +93,10 @@ class Truth:
     # Prefix lengths whose true Mamba state was written into a real block (for
     # the ideal hit); per request.
     materialized: dict[str, set[int]] = field(default_factory=dict)
+    # States that only accepted drafts made true: the connector learns of
+    # them at the next schedule(), so they count only if still there then
+    # (rid, group, slot, block, tokens); see confirm_pending.
+    pending: list[tuple[str, int, int, int, int]] = field(default_factory=list)
     # The worker's view: append-only block tables, running-state slot and
     # accepted-token counts per request (gpu_model_runner / mamba_utils).
     tables: dict[str, list[list[int]]] = field(default_factory=dict)
@@ -174,7 +178,7 @@ class Truth:
                                        max(lo, hi) if base >= max(lo, st.computed) else base)
 
     def _write_state(self, rid: str, g: int, slot: int, content: Any, tokens: int | None,
-                     lists: list[list[int]] | None) -> None:
+                     lists: list[list[int]] | None, known: bool = True) -> None:
         """Write ``content`` into the worker's block at ``slot``.  ``tokens``:
         the committed prefix whose true state this is (None: not one).
 
@@ -192,7 +196,24 @@ class Truth:
         n = self.block_size
         listed = lists is None or (slot < len(lists[g]) and lists[g][slot] == b)
         if tokens is not None and tokens % n == 0 and slot == tokens // n - 1 and listed:
-            self.materialized.setdefault(rid, set()).add(tokens)
+            if known:
+                self.materialized.setdefault(rid, set()).add(tokens)
+            else:
+                self.pending.append((rid, g, slot, b, tokens))
+
+    def confirm_pending(self, lists: Callable[[str], list[list[int]] | None],
+                        digest: Callable[[str, int], int]) -> None:
+        """Right after the next ``schedule()`` (allocation, in-place frees and
+        the connector's planning all happen inside it): a draft-made state
+        counts toward the ideal only if vLLM still lists its block at its slot
+        and the block still holds it.  Otherwise no scheduler-side connector
+        could have stored it (it was freed before the chunk was known done)."""
+        for rid, g, slot, b, t in self.pending:
+            now = lists(rid)
+            if (now is not None and slot < len(now[g]) and now[g][slot] == b
+                    and self.mamba.get(b) == digest(rid, t)):
+                self.materialized.setdefault(rid, set()).add(t)
+        self.pending.clear()
 
     def _mamba_writes(self, st: StepInput, digest: Callable[[str, int], int],
                       lists: list[list[int]] | None) -> None:
@@ -233,7 +254,7 @@ class Truth:
                 content = (digest(rid, running + j) if j <= acc
                            else DraftState(rid, running + j, tuple(st.drafts[:j])))
                 self._write_state(rid, g, curr + j, content,
-                                  running + j if j <= acc else None, lists)
+                                  running + j if j <= acc else None, lists, known=False)
         if first_after_load:
             self.restored[rid] = restored_ok
         if not d and st.accepted is None:
@@ -257,7 +278,8 @@ class Truth:
         for g in self.mamba_groups:
             src = self.mamba.get(self._block(rid, g, curr + shift))
             self._write_state(rid, g, dest, src,
-                              aligned if src == digest(rid, aligned) else None, lists)
+                              aligned if src == digest(rid, aligned) else None, lists,
+                              known=aligned <= running)
 
     # ---- LMCache loads (the server writes stored bytes into blocks) --------
     def load_fa(self, b: int, rid: str, slot: int, hi: int) -> None:
