@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "target environment (cpu: verify/restore_gate.py; gpu: verify/gpu_gate.py)")
     v.add_argument("--roundtrip", action="store_true", help="also run the in-process round-trip "
                    "harness (verify/roundtrip.py --matrix fast) in the target environment")
+    v.add_argument("--edges", action="store_true", help="with --restore cpu: also run the disk-tier "
+                   "edges of the installed version (pristine wheel -> installed and back over one fs "
+                   "tier, real servers); fails on any wrong hit")
+    v.add_argument("--edges-wheel", metavar="FILE.whl", help="the pristine lmcache wheel for --edges "
+                   "(default: pip download lmcache==VERSION with the target interpreter)")
     v.add_argument("--preset", action="append", metavar="NAME",
                    help="restore gate geometry preset (repeatable; default: all)")
     v.add_argument("--check-timeout", type=float, default=3600.0, metavar="SECONDS",
@@ -274,6 +279,12 @@ def cmd_verify(args) -> int:
                       ExitCode.USAGE)
     if args.preset and args.restore != "cpu":
         raise Refusal("--preset", "applies only to --restore cpu", ExitCode.USAGE)
+    if (args.edges or args.edges_wheel) and args.restore != "cpu":
+        raise Refusal("--edges", "applies only to --restore cpu", ExitCode.USAGE)
+    if args.edges_wheel and not args.edges:
+        raise Refusal("--edges-wheel", "applies only with --edges", ExitCode.USAGE)
+    if args.edges:
+        extra.append(vc.EDGES_CHECK)
     if args.passthrough and not args.restore:
         raise Refusal("--", "arguments after -- are passed only to a --restore script",
                       ExitCode.USAGE)
@@ -291,7 +302,7 @@ def cmd_verify(args) -> int:
         options = vc.CheckOptions(
             env=runner.resolve(args.python, args.site_packages, disc.target.site, what),
             presets=args.preset or [], extra_args=args.passthrough,
-            timeout=args.check_timeout, echo=not args.json)
+            timeout=args.check_timeout, echo=not args.json, edges_wheel=args.edges_wheel)
     # The checks run outside the session: a long restore gate must not hold
     # the install's lock.
     ctx = vc.CheckContext(disc.target, st, pset, resources.verify_root(), options)

@@ -40,6 +40,7 @@ class CheckOptions:
     timeout: float | None = None  # seconds before the script is killed
     echo: bool = False  # stream the script's progress to stderr
     matrix: str = "fast"  # round-trip harness matrix
+    edges_wheel: str | None = None  # --edges: the pristine wheel (default: pip download)
 
 
 @dataclass
@@ -86,7 +87,8 @@ def restore_check_name(mode: str) -> str:
 
 
 ROUNDTRIP_CHECK = "roundtrip-cpu"
-RESTORE_CHECKS = ("restore-cpu", "restore-gpu", ROUNDTRIP_CHECK)
+EDGES_CHECK = "restore-cpu-edges"
+RESTORE_CHECKS = ("restore-cpu", "restore-gpu", ROUNDTRIP_CHECK, EDGES_CHECK)
 GPU_GATE = "gpu_gate.py"
 
 
@@ -224,6 +226,33 @@ def _roundtrip(ctx: CheckContext) -> CheckResult:
                            f"{c.get('name')}: {reasons}", data)
     return CheckResult(ROUNDTRIP_CHECK, True, f"{passed}/{len(cells)} cells restored "
                        f"byte-exact ({run.seconds:.1f} s)", data)
+
+
+@register(EDGES_CHECK)
+def _restore_cpu_edges(ctx: CheckContext) -> CheckResult:
+    """Pristine -> installed and installed -> pristine over one fs tier
+    (``patchtool.edges``): fails on any wrong hit."""
+    from .edges import EdgeError, run_edges
+    from .wheelbuild import split_local
+
+    o = ctx.options
+    version = split_local(ctx.target.version)[0]
+    try:
+        runs = run_edges(o.env, ctx.verify_root, version, wheel=o.edges_wheel, presets=o.presets,
+                         timeout=o.timeout)
+    except EdgeError as exc:
+        return CheckResult(EDGES_CHECK, False, f"edges could not be judged: {exc}", error=True)
+    data = {"edges": [{"writer": r.writer, "reader": r.reader, "outcomes": r.outcomes, "why": r.why,
+                       "seconds": r.seconds} for r in runs]}
+    wrong = [f"{r.writer}->{r.reader} {p}" for r in runs for p, oc in r.outcomes.items() if oc == "wrong"]
+    detail = "; ".join(f"{r.writer}->{r.reader}: " + ", ".join(f"{p} {oc}" for p, oc in sorted(r.outcomes.items()))
+                       for r in runs)
+    if wrong:
+        return CheckResult(EDGES_CHECK, False, f"WRONG HIT over a shared tier: {', '.join(wrong)} ({detail})",
+                           data)
+    if any(not r.outcomes for r in runs):
+        return CheckResult(EDGES_CHECK, False, f"no preset reached a verdict ({detail})", data, error=True)
+    return CheckResult(EDGES_CHECK, True, f"no wrong hit ({detail})", data)
 
 
 @register("restore-gpu")

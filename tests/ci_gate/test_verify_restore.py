@@ -137,3 +137,59 @@ def test_restore_gpu_passes_arguments_through(tmp_path, runtime_python_053, patc
     check = r.json["result"]["checks"][-1]
     assert check["name"] == "restore-gpu" and check["data"]["exit_code"] == (20 if code else 0)
     assert check["data"]["report"] is not None
+
+
+EDGE_PRESETS = ("qwen35-0.8b", "pure-attn-k1")
+
+
+def _edges(patches: Path, site: Path, python: Path) -> dict:
+    import provision
+
+    r = _verify(patches, "--restore", "cpu", "--edges", "--edges-wheel", str(provision.wheel("0.5.3")),
+                "--site-packages", str(site), "--python", str(python),
+                *[a for p in EDGE_PRESETS for a in ("--preset", p)])
+    checks = {c["name"]: c for c in r.json["result"]["checks"]}
+    edges = {(e["writer"], e["reader"]): e["outcomes"]
+             for e in checks["restore-cpu-edges"]["data"].get("edges", [])}
+    return r, checks, edges
+
+
+@pytest.mark.slow
+def test_restore_cpu_edges_no_wrong_hit(runtime_python_053, patches_root, target_site):
+    """Patched 0.5.3 (layout-namespaced keys) and the pristine wheel over one
+    tier, both ways: the hybrid misses (different bytes, different keys), the
+    k = 1 attention model is shared exactly (same bytes, pristine keys)."""
+    r, checks, edges = _edges(patches_root, target_site, runtime_python_053)
+    assert r.rc == 0, r.out[-3000:] + r.err[-3000:]
+    assert checks["restore-cpu-edges"]["ok"], checks["restore-cpu-edges"]["detail"]
+    want = {"qwen35-0.8b": "miss", "pure-attn-k1": "exact"}
+    assert edges == {("pristine", "installed"): want, ("installed", "pristine"): want}
+
+
+@pytest.mark.slow
+def test_restore_cpu_edges_catch_revision_1(tmp_path_factory, runtime_python_053, wheel053):
+    """The negative control: the series without 05 (revision 1: pass-major
+    objects under LMCache's own keys).  The pristine build reads the patched
+    objects as hits with wrong bytes: the edges check FAILS (exit 13)."""
+    import shutil
+    import subprocess
+
+    from .conftest import SERIES, _build_manifest
+
+    root = tmp_path_factory.mktemp("r1")
+    d = root / "hybrid-fa" / "0.5.3"
+    d.mkdir(parents=True)
+    for p in sorted(SERIES.glob("0[1-3]-*.patch")):
+        shutil.copy2(p, d)
+    _build_manifest(d, wheel053, "--vllm", "0.27.1")
+    out = tmp_path_factory.mktemp("r1wheel")
+    w = cli("wheel", "--from", str(wheel053), "-o", str(out), "--json", patches=root)
+    assert w.rc == 0, w.err
+    site = out / "site"
+    subprocess.run([str(runtime_python_053), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--target", str(site), w.json["result"]["path"]], check=True)
+    r, checks, edges = _edges(root, site, runtime_python_053)
+    assert r.rc == 13, r.out[-3000:] + r.err[-3000:]
+    assert not checks["restore-cpu-edges"]["ok"] and not checks["restore-cpu-edges"]["error"]
+    assert "WRONG HIT" in checks["restore-cpu-edges"]["detail"]
+    assert edges[("installed", "pristine")]["qwen35-0.8b"] == "wrong"
