@@ -1,10 +1,11 @@
-"""The real series' revision bump (2: 05-layout-keys appended): an install
-patched with revision 1 of the shipped series is recognised as
-``patched-older-revision``, `status` names the command that upgrades it,
-`apply` brings it to revision 2 touching only the files 05 adds, and `revert`
-gives back the wheel's bytes.  Revision 1 is rebuilt from the shipped patch
-files without 05 (01-04 did not change), so its post-images are exactly the
-ones the shipped manifest keeps in ``previous_revisions``."""
+"""The real series' revision bump (2: 05-layout-keys, and on 0.5.4+
+06-state-chunk-ends, appended): an install patched with revision 1 of the
+shipped series is recognised as ``patched-older-revision``, `status` names the
+command that upgrades it, `apply` brings it to revision 2 touching only the
+files 05/06 change, and `revert` gives back the wheel's bytes.  Revision 1 is
+rebuilt from the shipped patch files 01-04 (unchanged since revision 1), so its
+post-images are exactly the ones the shipped manifest keeps in
+``previous_revisions``."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import provision  # noqa: E402
 
 ADDED_BY_05 = ["lmcache/v1/distributed/api.py", "lmcache/v1/multiprocess/engine_context.py",
                "lmcache/v1/multiprocess/modules/lmcache_driven_transfer.py"]
+ADDED_BY_06 = ["lmcache/integration/vllm/lmcache_mp_metadata.py",
+               "lmcache/v1/multiprocess/modules/lmcache_driven_transfer.py"]
 
 
 def revision1_root(tmp_path: Path, version: str) -> Path:
@@ -30,7 +33,7 @@ def revision1_root(tmp_path: Path, version: str) -> Path:
     d = tmp_path / "r1" / "hybrid-fa" / version
     d.mkdir(parents=True)
     for p in sorted(shipped.glob("*.patch")):
-        if not p.name.startswith("05-"):
+        if not p.name.startswith(("05-", "06-")):
             shutil.copy2(p, d / p.name)
     r = cli("manifest", "build", str(d), "--wheel", str(provision.wheel(version)),
             "--revision", "1", "--json")
@@ -42,7 +45,7 @@ def revision1_root(tmp_path: Path, version: str) -> Path:
     return tmp_path / "r1"
 
 
-@pytest.mark.parametrize("version", ["0.5.3", "0.5.6"])
+@pytest.mark.parametrize("version", ["0.5.3", "0.5.4", "0.5.6"])
 def test_revision1_install_upgrades_with_apply(tmp_path, bare_envs, version):
     venv = copy_venv(bare_envs[version], tmp_path / "venv")
     py = str(venv / "bin" / "python")
@@ -58,7 +61,8 @@ def test_revision1_install_upgrades_with_apply(tmp_path, bare_envs, version):
     assert r.rc == 0, r.err
     res = r.json["result"]
     assert (res["state_before"], res["state_after"]) == ("patched-older-revision", "patched")
-    assert sorted(res["changed_files"]) == sorted(ADDED_BY_05)
+    added = set(ADDED_BY_05) | (set(ADDED_BY_06) if version != "0.5.3" else set())
+    assert sorted(res["changed_files"]) == sorted(added)
     assert any(n.startswith("disk-tier keys kvl1:") for n in res["notes"])
     st = cli("status", "--python", py, "--json").json["result"]
     assert (st["state"], st["disk_tier_keys"], st["next_command"]) == ("patched", "kvl1", None)
