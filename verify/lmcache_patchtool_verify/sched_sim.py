@@ -11,7 +11,15 @@ on ``PYTHONPATH``) built by the scheduler through its connector factory.
 
 MODELLED: the GPU worker's writes (:mod:`sched_truth`), the model runner's
 sampled/draft tokens and acceptance (a fixed pattern), and the LMCache
-server's store semantics and lookups (:mod:`sched_server`).  The rest of
+server's store, lookup and load semantics (:mod:`sched_server`).
+
+Per scenario: the first request runs to completion and every STORE op the
+connector plans is judged against what its blocks really hold; then each
+second request (same prompt, a prefix ending inside a prefill step, a prefix
+diverging mid-chunk, a follow-up turn) is measured against the stored chunks
+(hit vs ideal) and also run through a restarted vLLM and connector against the
+same server, which says where vLLM really starts and whether from the true
+SSM state.  docs/scheduler-sim.md has the definitions and the measured tables.  The rest of
 ``VllmConfig`` is a stand-in namespace carrying the fields the Scheduler and
 the connector read (a real ``VllmConfig`` cannot be built on a CPU-only
 machine), with ``VllmConfig``'s own property code for the derived values.
