@@ -143,3 +143,41 @@ def test_first_write_of_a_key_wins():
     server.store("A", 0, 2 * N, [[10, NULL_BLOCK], [20, 21]], truth, digest)
     assert server.duplicate == 1
     assert not server.fa_objects[("seq", 2 * N)].wrong_block
+
+
+def test_a_load_writes_the_stored_state_and_the_next_step_judges_it():
+    """A RETRIEVE of a chunk stored with a null end slot (merged objects)
+    writes that garbage into the new request's slot; its first step after the
+    load is the verdict: wrong state.  A correctly stored chunk passes."""
+    truth = _prefilled(1)
+    server = _server("merged")
+    server.store("A", 0, 4 * N, [[10, NULL_BLOCK, 12, 13], [20, 21, 22, 23]], truth, digest)
+    for end, ok in ((2 * N, False), (4 * N, True)):
+        fresh = Truth(N, [MAMBA], [FA], num_spec=0)
+        new_request(fresh, "Q", [NULL_BLOCK] * (end // N - 1) + [50, 51], [60, 61, 62, 63, 64])
+        server.restore("Q", 0, end, [[NULL_BLOCK] * (end // N - 1) + [50], [60, 61, 62, 63][:end // N]],
+                       fresh, digest)
+        fresh.loaded.add("Q")
+        fresh.apply([StepInput("Q", end, 1, [], 0)], digest, no_lists)
+        assert fresh.restored == {"Q": ok}, end
+        assert fresh.fa_digest(60, digest) == ("seq", N)  # FA came back intact
+        assert not fresh.inconsistencies
+
+
+def test_a_draft_made_state_counts_only_if_still_listed_at_the_next_schedule():
+    """2 committed tokens, then [last, d1, d2] with both drafts accepted: the
+    state after 4 tokens (a block boundary) exists only because d1 was
+    accepted, so the connector learns of it at the next schedule()."""
+    truth = Truth(N, [MAMBA], [FA], num_spec=2)
+    new_request(truth, "A", [10, 11, 12], [20, 21])
+    truth.apply([StepInput("A", 0, 2, [], 0)], digest, no_lists)
+    truth.tables["A"][MAMBA].append(13)
+    truth.apply([StepInput("A", 2, 3, [91, 92], 2)], digest, no_lists)
+    assert truth.mamba[10] == ("seq", 4)  # postprocess copy into slot 0
+    assert 4 not in truth.materialized.get("A", ()) and truth.pending
+    assert not truth.inconsistencies
+    truth.confirm_pending(lambda rid: [[NULL_BLOCK, 11, 12, 13], [20, 21]], digest)
+    assert 4 not in truth.materialized.get("A", ())  # vLLM freed slot 0 in place: lost
+    truth.pending.append(("A", MAMBA, 0, 10, 4))
+    truth.confirm_pending(lambda rid: [[10, 11, 12, 13], [20, 21]], digest)
+    assert 4 in truth.materialized["A"]
