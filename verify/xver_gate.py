@@ -244,7 +244,7 @@ def cell(w: Build, r: Build, p: dict[str, Any], wp: dict[str, Any], cb: int) -> 
     x = p.get("xver") or {}
     fid = p.get("fidelity") or {}
     fa, gdn = fid.get("fa"), fid.get("gdn")
-    exp = expected_outcome(w, r, name, cb) if EXPECT == "layout" else predicted_outcome(w, r, name, cb, EXPECT)
+    exp = judge({"writer": w.label, "reader": r.label, "preset": name, "chunk_blocks": cb})
     return {
         "writer": w.label, "reader": r.label, "preset": name, "chunk_blocks": cb,
         "outcome": p["outcome"], "why": p["outcome_why"],
@@ -329,6 +329,31 @@ def select_pairs(args: argparse.Namespace) -> list[tuple[Build, Build]]:
     raise SystemExit("select pairs: --all, --ci, --edges-for V, --pairs W>R,..., or --writers/--readers")
 
 
+def judge(c: dict[str, Any]) -> str:
+    w, r, name, cb = Build.parse(c["writer"]), Build.parse(c["reader"]), c["preset"], c["chunk_blocks"]
+    return expected_outcome(w, r, name, cb) if EXPECT == "layout" else predicted_outcome(w, r, name, cb, EXPECT)
+
+
+def rejudge(path: Path, args: argparse.Namespace) -> int:
+    """--rejudge: the stored cells against --expect (no server runs)."""
+    result = json.loads(path.read_text())
+    bad = []
+    for c in result["cells"]:
+        c["expected"] = judge(c)
+        c["as_expected"] = c["outcome"] == c["expected"]
+        if not c["as_expected"]:
+            bad.append(c)
+    cbs = sorted({c["chunk_blocks"] for c in result["cells"]})
+    print("\n\n".join(f"### {cb} block(s) per chunk\n\n"
+                      + matrix_markdown(result["cells"], result["presets"], cb, expected=EXPECT) for cb in cbs))
+    for c in bad:
+        print(f"UNEXPECTED {c['writer']} -> {c['reader']} {c['preset']} cb{c['chunk_blocks']}: {c['outcome']} "
+              f"(expected {c['expected']} with {EXPECT} keys): {c['why']}", file=sys.stderr)
+    print(f"xver: {len(result['cells']) - len(bad)}/{len(result['cells'])} cells as expected with {EXPECT} keys",
+          file=sys.stderr)
+    return EXIT_MISMATCH if bad else EXIT_OK
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -353,8 +378,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--series-rev", metavar="REV",
                     help="take the patch series from this git commit (e.g. HEAD) instead of the working tree")
     ap.add_argument("--expect", choices=["layout", "today", "05", "06"], default="layout",
-                    help="check cells against the outcome required with layout keys (default) or the one the "
-                         "byte classes predict with today's bare keys (use with --exclude-patch 05-layout-keys)")
+                    help="check cells against the outcome the byte classes predict with these keys: layout "
+                         "(default: the series as it stands, = 06), 05 (up to 05-layout-keys), today (bare keys: "
+                         "use with --exclude-patch 05-layout-keys)")
+    ap.add_argument("--rejudge", metavar="RESULT.json",
+                    help="run nothing: judge the cells of an earlier --json-out against --expect again")
     ap.add_argument("--quiet", action="store_true")
     return ap.parse_args(argv)
 
@@ -364,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     EXCLUDED[:] = args.exclude_patch
     EXPECT = args.expect
+    if args.rejudge:
+        return rejudge(Path(args.rejudge), args)
     pairs = select_pairs(args)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     cbs = [int(c) for c in args.chunk_blocks.split(",") if c.strip()]
