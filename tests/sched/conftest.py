@@ -29,7 +29,9 @@ VERIFY = REPO / "verify"
 SIM = ["-m", "lmcache_patchtool_verify.sched_sim"]  # verify/ on PYTHONPATH
 
 
-R2_PARTS = ("06-",)  # file-name prefixes of the parts hybrid-fa revision 2 added
+# file-name prefixes of the parts hybrid-fa revision 2 added that change the
+# connector's or server's behaviour here (05, keys only, is inert for the sim)
+R2_PARTS = ("06-", "07-")
 
 
 def tracked_series(version: str) -> list[Path]:

@@ -1,5 +1,6 @@
-"""The real series' revision bump (2: 05-layout-keys, and on 0.5.4+
-06-state-chunk-ends, appended): an install patched with revision 1 of the
+"""The real series' revision bump (2: 05-layout-keys, on 0.5.4+
+06-state-chunk-ends, on 0.5.3-0.5.5 07-lookup-reserves-last-token, appended): an
+install patched with revision 1 of the
 shipped series is recognised as ``patched-older-revision``, `status` names the
 command that upgrades it, `apply` brings it to revision 2 touching only the
 files 05/06 change, and `revert` gives back the wheel's bytes.  Revision 1 is
@@ -26,6 +27,7 @@ ADDED_BY_05 = ["lmcache/v1/distributed/api.py", "lmcache/v1/multiprocess/engine_
                "lmcache/v1/multiprocess/modules/lmcache_driven_transfer.py"]
 ADDED_BY_06 = ["lmcache/integration/vllm/lmcache_mp_metadata.py",
                "lmcache/v1/multiprocess/modules/lmcache_driven_transfer.py"]
+ADDED_BY_07 = ["lmcache/integration/vllm/lmcache_mp_connector.py"]  # not on 0.5.6
 
 
 def revision1_root(tmp_path: Path, version: str) -> Path:
@@ -33,7 +35,7 @@ def revision1_root(tmp_path: Path, version: str) -> Path:
     d = tmp_path / "r1" / "hybrid-fa" / version
     d.mkdir(parents=True)
     for p in sorted(shipped.glob("*.patch")):
-        if not p.name.startswith(("05-", "06-")):
+        if not p.name.startswith(("05-", "06-", "07-")):
             shutil.copy2(p, d / p.name)
     r = cli("manifest", "build", str(d), "--wheel", str(provision.wheel(version)),
             "--revision", "1", "--json")
@@ -61,7 +63,8 @@ def test_revision1_install_upgrades_with_apply(tmp_path, bare_envs, version):
     assert r.rc == 0, r.err
     res = r.json["result"]
     assert (res["state_before"], res["state_after"]) == ("patched-older-revision", "patched")
-    added = set(ADDED_BY_05) | (set(ADDED_BY_06) if version != "0.5.3" else set())
+    added = set(ADDED_BY_05) | (set(ADDED_BY_06) if version != "0.5.3" else set()) \
+        | (set(ADDED_BY_07) if version != "0.5.6" else set())
     assert sorted(res["changed_files"]) == sorted(added)
     assert any(n.startswith("disk-tier keys kvl1:") for n in res["notes"])
     st = cli("status", "--python", py, "--json").json["result"]
