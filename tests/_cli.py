@@ -38,3 +38,14 @@ def cli(*args: str, patches: Path | None = None, env: dict | None = None, python
     proc = subprocess.run([python or sys.executable, "-m", "patchtool", *args], capture_output=True,
                           text=True, env=e, timeout=timeout, cwd=cwd)
     return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+def one_line(r, rc: int, file: object, *needles: str) -> str:
+    """Assert a refusal: exit ``rc``, exactly one stderr line naming ``file``."""
+    assert r.rc == rc, (r.rc, r.out, r.err)
+    lines = r.err.splitlines()
+    assert len(lines) == 1, r.err
+    assert lines[0].startswith(f"patchtool: {file}: "), lines[0]
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]

@@ -40,12 +40,20 @@ def state_gate(version: str, patched: bool, chunk_blocks: int) -> tuple[int, dic
         pytest.fail(f"no JSON report (rc {proc.returncode}): {proc.stderr[-3000:]}")
 
 
+def gate_verdict(version: str, patched: bool, chunk_blocks: int) -> dict:
+    """The report, asserted to be pass (patched) or fail (pristine), and the
+    server's part-06 marker to match the build."""
+    rc, rep = state_gate(version, patched, chunk_blocks)
+    want = ("pass", 0) if patched else ("fail", 1)
+    assert (rep["verdict"], rc) == want, rep.get("error") or rep.get("reasons")
+    assert rep["server_separates_state_groups"] is patched
+    return rep
+
+
 @pytest.mark.parametrize("chunk_blocks", CHUNK_BLOCKS)
 @pytest.mark.parametrize("version", VERSIONS)
 def test_pristine_gives_a_wrong_state_hit(version, chunk_blocks):
-    rc, rep = state_gate(version, False, chunk_blocks)
-    assert rc == 1 and rep["verdict"] == "fail", rep.get("error") or rep.get("reasons")
-    assert rep["server_separates_state_groups"] is False
+    rep = gate_verdict(version, False, chunk_blocks)
     n = 544
     assert (rep["hit_tokens"], rep["ideal_hit_tokens"]) == (6 * n, 4 * n)
     assert rep["boundary_state"] == "wrong: no true state at the hit boundary"
@@ -54,9 +62,7 @@ def test_pristine_gives_a_wrong_state_hit(version, chunk_blocks):
 @pytest.mark.parametrize("chunk_blocks", CHUNK_BLOCKS)
 @pytest.mark.parametrize("version", VERSIONS)
 def test_patched_hits_the_ideal_with_the_true_state(version, chunk_blocks):
-    rc, rep = state_gate(version, True, chunk_blocks)
-    assert rc == 0 and rep["verdict"] == "pass", rep.get("error") or rep.get("reasons")
-    assert rep["server_separates_state_groups"] is True
+    rep = gate_verdict(version, True, chunk_blocks)
     assert rep["hit_tokens"] == rep["ideal_hit_tokens"] == 4 * 544
     assert rep["boundary_state"] == "true"
     assert rep["fidelity"]["fa"]["pages_exact"] == rep["fidelity"]["fa"]["pages_total"] > 0

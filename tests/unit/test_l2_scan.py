@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _cli import CRASH_VAR, cli
+from _cli import CRASH_VAR, cli, one_line
 
 from patchtool import l2names, l2scan
 from patchtool.errors import NotInstalled, Refusal
@@ -54,14 +54,6 @@ def tree(d: Path) -> dict[str, str]:
             if p.is_file() and not p.is_symlink()}
 
 
-def one_line(r, rc: int, file: object, *needles: str) -> str:
-    assert r.rc == rc, (r.rc, r.out, r.err)
-    lines = r.err.splitlines()
-    assert len(lines) == 1, r.err
-    assert lines[0].startswith(f"patchtool: {file}: "), lines[0]
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _cli import CRASH_VAR, cli
+from _cli import CRASH_VAR, cli, one_line
 
 from . import synthwheel as sw
 from .synthwheel import F1, F2, SKIP, STATE_DIR, tree_hashes
@@ -20,15 +20,6 @@ def sp(site: Path) -> tuple[str, str]:
     return ("--site-packages", str(site))
 
 
-def one_line(r, rc: int, file: object, *needles: str) -> str:
-    """Assert a refusal: exit ``rc``, exactly one stderr line naming ``file``."""
-    assert r.rc == rc, (r.rc, r.out, r.err)
-    lines = r.err.splitlines()
-    assert len(lines) == 1, r.err
-    assert lines[0].startswith(f"patchtool: {file}: "), lines[0]
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 def json_error(r, rc: int) -> dict:

@@ -142,3 +142,29 @@ def test_full_matrix_matches_expected_outcome(tmp_path: Path) -> None:
     off = [describe(c) for c in result["cells"] if not c["as_expected"]]
     assert not off, f"{len(off)} cells differ from expected_outcome:\n" + "\n".join(off)
     assert proc.returncode == 0
+
+
+def test_attention_k1_objects_keep_pristine_keys_and_bytes(ci_run) -> None:
+    """Issue 12: a non-hybrid k = 1 model keeps LMCache's keys and bytes under
+    the series.  The CI edges' writers pristine 0.5.6 and patched 0.5.6 stored
+    the same ``pure-attn-k1`` request (same seed): apart from the writer's own
+    model prefix, every L2 file name (rank, object group, chunk hash; no
+    ``+kvl`` namespace) and every file's bytes are identical."""
+    import hashlib
+
+    _, _, work = ci_run
+
+    def objects(label: str, cb: int) -> dict[str, str]:
+        l2 = work / "wd" / f"w-{label}-cb{cb}" / "l2"
+        out = {}
+        for p in l2.glob("*.data"):
+            model, _, rest = p.name.partition("@")
+            if "pure-attn-k1" in model:
+                assert "+kvl" not in model, p.name
+                out[rest] = hashlib.sha256(p.read_bytes()).hexdigest()
+        return out
+
+    for cb in (1, 2):
+        pristine, patched = objects("0.5.6-pristine", cb), objects("0.5.6-patched", cb)
+        assert len(pristine) == 3, (cb, sorted(pristine))
+        assert patched == pristine, cb
