@@ -363,7 +363,7 @@ def cmd_manifest(args) -> int:
 
 
 def cmd_l2(args) -> int:
-    from . import l2scan, output
+    from . import l2quarantine, l2scan, output
 
     if args.only is not None and args.quarantine is None:
         raise Refusal("--only", "applies only to --quarantine", ExitCode.USAGE)
@@ -378,7 +378,7 @@ def cmd_l2(args) -> int:
         with _session(args, writes=False) as (disc, pset, _):
             st = classify(disc, pset, set_name=args.set_name)
         reader = l2scan.reader_for(st, pset.manifest.l2_format if pset else None)
-    only = l2scan.parse_only(args.only)
+    only = l2quarantine.parse_only(args.only)
     res = l2scan.run(Path(args.dir), reader, Path(args.quarantine) if args.quarantine else None,
                      only)
     code = l2scan.exit_code(res)

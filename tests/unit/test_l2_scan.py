@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 from _cli import CRASH_VAR, cli, one_line
 
-from patchtool import l2names, l2scan
+from patchtool import l2names, l2quarantine, l2scan
 from patchtool.errors import NotInstalled, Refusal
 from patchtool.exitcodes import ExitCode
 
@@ -411,7 +411,7 @@ def test_dest_on_another_filesystem_is_refused(tmp_path, tier):
 def _check_split(src: Path, dest: Path, before: dict[str, str]) -> None:
     """Every object is in exactly one of src/dest, with its bytes."""
     a, b = tree(src), tree(dest)
-    b.pop(l2scan.JOURNAL, None)
+    b.pop(l2quarantine.JOURNAL, None)
     assert not set(a) & set(b), sorted(set(a) & set(b))[:3]
     assert {**a, **b} == before
 
@@ -426,8 +426,8 @@ def test_quarantine_moves_exactly_the_flagged(tmp_path, tier):
     assert qr["moved_by_category"] == {"never-read": 2, "unpatched": 2, "size-mismatch": 1}
     assert qr["moved_bytes"] == 128 + 1024 + 900 and res["remaining_flagged"] == 0
     moved = tree(q)
-    moved.pop(l2scan.JOURNAL)
-    journal = (q / l2scan.JOURNAL).read_text().splitlines()
+    moved.pop(l2quarantine.JOURNAL)
+    journal = (q / l2quarantine.JOURNAL).read_text().splitlines()
     assert set(moved) == set(tier.flagged)  # names kept
     _check_split(tier.dir, q, tier.before)
     assert {"tmp", "README.txt", name(0, 60)[:-5] + ".tmp"} <= set(os.listdir(tier.dir))
@@ -437,11 +437,11 @@ def test_quarantine_moves_exactly_the_flagged(tmp_path, tier):
     assert [x["event"] for x in recs] == ["begin"] + ["move"] * 5 + ["end"]
     assert {x["name"]: x["category"] for x in recs if x["event"] == "move"} == tier.flagged
     # the same command again: nothing flagged, nothing written
-    j = (q / l2scan.JOURNAL).read_bytes()
+    j = (q / l2quarantine.JOURNAL).read_bytes()
     r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--quarantine", str(q), "--json")
     assert r.rc == 0 and r.json["result"]["quarantine"]["moved"] == 0
     assert r.json["result"]["quarantine"]["run"] is None
-    assert (q / l2scan.JOURNAL).read_bytes() == j
+    assert (q / l2quarantine.JOURNAL).read_bytes() == j
     _check_split(tier.dir, q, tier.before)
 
 
@@ -451,7 +451,7 @@ def test_quarantine_only_and_human_output(tmp_path, tier):
             "--only", "size-mismatch,never-read")
     assert r.rc == FLAGGED, r.err  # the unpatched objects are still in DIR
     assert "moved 3 object(s)" in r.out and "exit code 20: 2 flagged" in r.out
-    assert set(tree(q)) - {l2scan.JOURNAL} == {n for n, c in tier.flagged.items()
+    assert set(tree(q)) - {l2quarantine.JOURNAL} == {n for n, c in tier.flagged.items()
                                                if c != "unpatched"}
     _check_split(tier.dir, q, tier.before)
 
@@ -484,7 +484,7 @@ def _many(tmp_path: Path) -> SimpleNamespace:
     """Enough flagged objects for three journal batches, plus clean ones."""
     d = tmp_path / "big"
     d.mkdir()
-    n = 2 * l2scan.BATCH + 6
+    n = 2 * l2quarantine.BATCH + 6
     for i in range(n):
         put(d, name(0, i, NS2), 16 + i % 3)  # never read by kvl1
     for i in range(5):
@@ -520,7 +520,7 @@ def test_kill_half_way_then_rerun_finishes(tmp_path, at):
     _check_split(t.dir, q, t.before)
     import json
 
-    recs = [json.loads(x) for x in (q / l2scan.JOURNAL).read_text().splitlines()]
+    recs = [json.loads(x) for x in (q / l2quarantine.JOURNAL).read_text().splitlines()]
     assert [x["event"] for x in recs].count("begin") == 1 and recs[-1]["event"] == "end"
     assert sum(x["event"] == "move" for x in recs) >= t.flagged
     r = cli(*args)
@@ -561,24 +561,24 @@ def test_unfinished_run_of_another_command_is_refused(tmp_path, tier):
     r = cli("l2", "scan", str(t.dir), "--assume", "kvl1", "--quarantine", str(q),
             env={CRASH_VAR: "crash:5"}, unset=())
     assert r.rc == 86
-    j = (q / l2scan.JOURNAL).read_bytes()
+    j = (q / l2quarantine.JOURNAL).read_bytes()
     r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--quarantine", str(q))
-    one_line(r, 3, q / l2scan.JOURNAL, "unfinished quarantine", str(t.dir))
+    one_line(r, 3, q / l2quarantine.JOURNAL, "unfinished quarantine", str(t.dir))
     r = cli("l2", "scan", str(t.dir), "--assume", "kvl1", "--quarantine", str(q), "--only",
             "never-read")
-    one_line(r, 3, q / l2scan.JOURNAL, "unfinished quarantine")
+    one_line(r, 3, q / l2quarantine.JOURNAL, "unfinished quarantine")
     r = cli("l2", "scan", str(t.dir), "--assume", "pristine", "--quarantine", str(q))
-    one_line(r, 3, q / l2scan.JOURNAL, "unfinished quarantine", "reader: --assume kvl1")
-    assert (q / l2scan.JOURNAL).read_bytes() == j and tree(tier.dir) == tier.before
+    one_line(r, 3, q / l2quarantine.JOURNAL, "unfinished quarantine", "reader: --assume kvl1")
+    assert (q / l2quarantine.JOURNAL).read_bytes() == j and tree(tier.dir) == tier.before
 
 
 def test_torn_journal_line_is_ignored(tmp_path, tier):
     q = tmp_path / "q"
     q.mkdir()
-    (q / l2scan.JOURNAL).write_text('{"event": "begin", "run": "x", "dir": "/else')
+    (q / l2quarantine.JOURNAL).write_text('{"event": "begin", "run": "x", "dir": "/else')
     r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--quarantine", str(q), "--json")
     assert r.rc == 0, r.err
-    lines = (q / l2scan.JOURNAL).read_text().splitlines()
+    lines = (q / l2quarantine.JOURNAL).read_text().splitlines()
     assert lines[0].endswith("/else") and lines[1].startswith('{"dir"')
     _check_split(tier.dir, q, tier.before)
 
