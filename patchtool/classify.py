@@ -15,7 +15,7 @@ from pathlib import Path
 from . import __version__
 from .distinfo import installed_version
 from .exitcodes import ExitCode
-from .manifest import STATE_FIXED_UPSTREAM, FileHash, PatchSetDir
+from .manifest import STATE_FIXED_UPSTREAM, FileHash, Manifest, PatchSetDir
 from .errors import Refusal
 from .fsio import Reader
 from .record import Record, check_rows
@@ -157,7 +157,7 @@ RECORD_MISMATCH_NOTE = (
 )
 
 
-def disk_tier_note(m) -> str:
+def disk_tier_note(m: Manifest) -> str:
     """The disk-tier note for an install patched with manifest ``m``."""
     if m.l2_format is not None:
         return DISK_TIER_NAMESPACED.format(fmt=m.l2_format)

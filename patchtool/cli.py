@@ -216,6 +216,7 @@ def cmd_status(args) -> int:
 def cmd_apply(args) -> int:
     from . import actions
     from .classify import PATCHED, classify, disk_tier_note
+    from .manifest import STATE_PATCH
     from .planning import refuse_state
     from .target import require_target
 
@@ -231,7 +232,7 @@ def cmd_apply(args) -> int:
                             accept_record_mismatch=args.accept_record_mismatch)
         if res.action == "applied":
             res.state_after = classify(disc, pset).state
-        if pset.manifest.state == "patch":
+        if pset.manifest.state == STATE_PATCH:
             res.notes.append(disk_tier_note(pset.manifest))
     return _emit(args, "apply", res)
 
@@ -295,6 +296,12 @@ def cmd_verify(args) -> int:
         res = vc.VerifyResult(False, st.state, ExitCode.NOT_INSTALLED, st)
         return _emit(args, "verify", res, res.exit_code)
     options = vc.CheckOptions()
+    if args.edges_wheel:
+        from .edges import check_given_wheel
+        from .wheelbuild import split_local
+
+        # Before anything runs: another version's wheel would judge nothing.
+        check_given_wheel(args.edges_wheel, split_local(disc.target.version)[0])
     if extra:
         # Refused here, before anything runs, when the interpreter cannot
         # run the checks against THIS install.

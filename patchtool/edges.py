@@ -25,8 +25,7 @@ This module never imports lmcache or torch.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
+import os
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -49,21 +48,24 @@ class EdgeRun:
 
 
 def pristine_wheel(python: str, version: str, dest: Path, given: str | None) -> Path:
-    """The real lmcache wheel of ``version``: the one given, or pip's download."""
-    if given:
-        path = Path(given)
-        if not path.is_file():
-            raise Refusal(path, "no such wheel (--edges-wheel)")
-        return path
-    cmd = [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest),
-           f"lmcache=={version}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(dest.glob(f"lmcache-{version}-*.whl"))
-    if proc.returncode != 0 or not found:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise Refusal(f"lmcache=={version}", f"could not download the pristine wheel ({last}); "
-                      "give it with --edges-wheel FILE")
-    return found[0]
+    """The real lmcache wheel of ``version``: the one given (checked to be that
+    version, and not a wheel this tool patched), or ``pip download``'s."""
+    from .wheelbuild import download
+
+    if not given:
+        return download(version, python, dest)
+    return check_given_wheel(given, version)
+
+
+def check_given_wheel(given: str, version: str) -> Path:
+    """``--edges-wheel``: a real, unpatched lmcache wheel of ``version``."""
+    from .wheelbuild import wheel_version
+
+    path = Path(given)
+    found = wheel_version(path)  # refuses a missing file, a non-lmcache or a patched wheel
+    if found != version:
+        raise Refusal(path, f"is lmcache {found}, but the installed version is {version}")
+    return path
 
 
 def extract(wheel: Path, dest: Path) -> Path:
@@ -102,9 +104,8 @@ def run_edges(env, verify_root: Path, version: str, *, wheel: str | None, preset
     presets = presets or list(EDGE_PRESETS)
     with tempfile.TemporaryDirectory(prefix="patchtool-edges-") as tmp:
         work = Path(tmp)
-        (work / "dl").mkdir()
         pristine_dir = extract(pristine_wheel(env.python, version, work / "dl", wheel), work / "pristine")
-        pp = str(pristine_dir) + (":" + env.pythonpath if env.pythonpath else "")
+        pp = os.pathsep.join([str(pristine_dir)] + ([env.pythonpath] if env.pythonpath else []))
         builds = {"installed": env, "pristine": RunEnv(env.python, pp, env.probe)}
         runs = []
         for writer, reader in (("pristine", "installed"), ("installed", "pristine")):
@@ -121,5 +122,4 @@ def run_edges(env, verify_root: Path, version: str, *, wheel: str | None, preset
             outcomes = {p["preset"]: p.get("outcome", "?") for p in rep.get("presets", [])}
             why = {p["preset"]: p.get("outcome_why", "") for p in rep.get("presets", [])}
             runs.append(EdgeRun(writer, reader, outcomes, why, round(run_w.seconds + run_r.seconds, 1)))
-        shutil.rmtree(work / "dl", ignore_errors=True)
     return runs

@@ -57,6 +57,9 @@ from lmcache_patchtool_verify.xver_state import STATE_SCHEMA, expected_digest, l
 
 SCHEMA = 1
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+# --preset all: vLLM 0.30+'s GDN view (unpadded row, padded stride) is refused
+# on CPU by every LMCache version (docs/ports.md); name such a preset to run it.
+ALL_PRESETS = tuple(n for n, g in geometry.PRESETS.items() if g.gdn_view != "0.30")
 HEALTH_PATH = "/healthcheck"
 _PREFETCH_LINE = re.compile(r"Prefetch request completed \(L1\+L2\): (\d+)/(\d+) retained keys "
                             r"\((\d+) L1, (\d+) L2\).*external_request_id=([^,\s)]+)")
@@ -915,9 +918,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", action="append", metavar="NAME",
                     help="geometry preset (repeatable; 'all' = every preset but vLLM 0.30+'s GDN view, "
-                         f"which no LMCache version runs on CPU: "
-                         f"{', '.join(n for n, g in geometry.PRESETS.items() if g.gdn_view != '0.30')}; "
-                         "default all)")
+                         f"which no LMCache version runs on CPU: {', '.join(ALL_PRESETS)}; default all)")
     ap.add_argument("--json", action="store_true", help="print the JSON report on stdout")
     ap.add_argument("--json-out", metavar="PATH", help="also write the JSON report to PATH")
     ap.add_argument("--chunks", type=int, default=3, help="chunks in the stored request (default 3)")
@@ -967,10 +968,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         for part in n.split(","):
             part = part.strip()
             if part == "all":
-                # vLLM 0.30+'s GDN view (unpadded row, padded stride) is refused on
-                # CPU by every LMCache version (docs/ports.md): not part of "all";
-                # name such a preset to run it.
-                out.extend(n for n, g in geometry.PRESETS.items() if g.gdn_view != "0.30")
+                out.extend(ALL_PRESETS)
             elif part:
                 try:
                     gate_preset(part)

@@ -150,7 +150,7 @@ class StateGate:
             expected = gc.fill_source(client, src_ids, args.seed)
             rid = f"state-gate-store-{uuid.uuid4().hex[:8]}"
             client.lookup(rid, tokens, args.step_timeout)
-            separated = gc.server_separates_state_groups()
+            separated = geometry.server_separates_state_groups()
             stores = []
             for start_blk in range(0, blocks, args.step_blocks):
                 end_blk = min(blocks, start_blk + args.step_blocks)
@@ -160,7 +160,8 @@ class StateGate:
                 start, end = first_chunk * cb * n, last_chunk * cb * n
                 op_ids = layout.op_block_ids(vllm_ids, start, end)
                 op_ids = connector_store_ids(op_ids, gdn_groups, cb, separated)
-                ok = self._store(client, gc, rid, tokens, op_ids, start, end)
+                ok = client.store(rid, tokens, vllm_ids, end, args.step_timeout, start=start,
+                                  op_block_ids=op_ids)
                 stores.append({"tokens": [start, end], "ok": ok, "block_ids": op_ids})
             client.finish_request(rid)
             self.report["stores"] = stores
@@ -213,23 +214,6 @@ class StateGate:
         for layer, t in enumerate(caches.tensors):
             if not t.is_contiguous() or t.data_ptr() != caches.raw[layer].data_ptr():
                 raise RuntimeError(f"the connector's edit of layer {layer} is not a contiguous view")
-
-    def _store(self, client: Any, gc: Any, rid: str, tokens: list[int], op_ids: list[list[int]],
-               start: int, end: int) -> bool:
-        import torch  # noqa: PLC0415
-
-        from lmcache import torch_dev  # noqa: PLC0415
-        from lmcache.integration.vllm.vllm_multi_process_adapter import LoadStoreOp  # noqa: PLC0415
-
-        op = LoadStoreOp(token_ids=tokens, block_ids=op_ids, start=start, end=end)
-        event = torch_dev.Event(interprocess=True)
-        event.record()
-        client.worker.submit_store_request(rid, op, event)
-        fut = client.worker.store_futures.get(rid)
-        ok = bool(fut.result(timeout=self.args.step_timeout)) if fut is not None else False
-        client.worker.get_finished({rid})
-        del torch
-        return ok
 
     def _verdict(self, hit: int, ideal: int, hit_blocks: int, ends: set[int], check: dict, retrieve: dict) -> int:
         args = self.args

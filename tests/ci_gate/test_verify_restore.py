@@ -193,3 +193,17 @@ def test_restore_cpu_edges_catch_revision_1(tmp_path_factory, runtime_python_053
     assert not checks["restore-cpu-edges"]["ok"] and not checks["restore-cpu-edges"]["error"]
     assert "WRONG HIT" in checks["restore-cpu-edges"]["detail"]
     assert edges[("installed", "pristine")]["qwen35-0.8b"] == "wrong"
+
+
+def test_restore_cpu_edges_refuses_another_versions_wheel(runtime_python_053, patches_root, target_site):
+    """--edges-wheel must be the installed version's pristine wheel: another
+    version's is one refusal line before any server starts."""
+    import provision
+
+    other = provision.wheel("0.5.6")
+    r = cli("verify", "--restore", "cpu", "--edges", "--edges-wheel", str(other), "--site-packages",
+            str(target_site), "--python", str(runtime_python_053), "--preset", "pure-attn-k1",
+            patches=patches_root)
+    assert r.rc == 3, (r.rc, r.out[-2000:], r.err)
+    [line] = r.err.splitlines()
+    assert line.startswith(f"patchtool: {other}: ") and "is lmcache 0.5.6, but the installed version is 0.5.3" in line

@@ -159,8 +159,11 @@ class Client:
 
     # -- worker side -------------------------------------------------------
     def store(self, request_id: str, token_ids: list[int], ids: list[list[int]], end: int,
-              timeout: float) -> bool:
-        op = LoadStoreOp(token_ids=token_ids, block_ids=self.layout.op_block_ids(ids, 0, end), start=0, end=end)
+              timeout: float, *, start: int = 0, op_block_ids: list[list[int]] | None = None) -> bool:
+        """STORE tokens ``[start, end)``; ``op_block_ids`` overrides the op's
+        block lists (what a connector sends after rewriting vLLM's)."""
+        block_ids = op_block_ids if op_block_ids is not None else self.layout.op_block_ids(ids, start, end)
+        op = LoadStoreOp(token_ids=token_ids, block_ids=block_ids, start=start, end=end)
         event = torch_dev.Event(interprocess=True)
         event.record()
         self.worker.submit_store_request(request_id, op, event)
@@ -291,17 +294,6 @@ def _mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(torch.count_nonzero(a != b))
 
 
-def server_separates_state_groups() -> bool:
-    """Whether the installed lmcache's server writes a Mamba/GDN model's groups
-    as separate objects with a one-chunk state window (the series' part 06):
-    a retrieve then restores the state of the LAST chunk only."""
-    try:
-        import lmcache.v1.multiprocess.modules.lmcache_driven_transfer as ldt  # noqa: PLC0415
-    except ImportError:
-        return False
-    return bool(getattr(ldt, "SEPARATES_STATE_GROUPS", False))
-
-
 def check_restore(client: Client, dst_ids: list[list[int]], expected: dict[tuple[int, int], torch.Tensor],
                   *, chunks: int, blocks_per_chunk: int, restored_chunks: int, untouched: int,
                   max_listed: int = 12, state_window_chunks: int | None = None) -> dict[str, Any]:
@@ -310,7 +302,7 @@ def check_restore(client: Client, dst_ids: list[list[int]], expected: dict[tuple
     ``state_window_chunks``: with a server that keeps the GDN state as its own
     windowed object group, only the last that many restored chunks get their
     state back (None: every restored chunk, merged objects; default: asked of
-    the installed lmcache, :func:`server_separates_state_groups`).
+    the installed lmcache, :func:`geometry.server_separates_state_groups`).
 
     * positions of the first ``restored_chunks`` chunks must equal ``expected``;
     * positions of later chunks and every block that is not a destination of
@@ -319,7 +311,7 @@ def check_restore(client: Client, dst_ids: list[list[int]], expected: dict[tuple
     assert client.caches is not None
     geo, layout = client.caches.geometry, client.layout
     k = geo.k
-    if state_window_chunks is None and server_separates_state_groups():
+    if state_window_chunks is None and geometry.server_separates_state_groups():
         state_window_chunks = 1
     per_chunk = [{"chunk": c, "restored": c < restored_chunks,
                   "fa_pages_exact": 0, "fa_pages": 0, "fa_bytes_equal": 0, "fa_bytes": 0,

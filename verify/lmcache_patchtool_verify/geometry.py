@@ -357,6 +357,24 @@ def engine_info_fields() -> tuple[str, ...] | None:
     return tuple(fields)
 
 
+def installed_server_module() -> Any:
+    """The installed lmcache's LMCache-driven transfer module (None: not importable)."""
+    try:
+        import lmcache.v1.multiprocess.modules.lmcache_driven_transfer as ldt  # noqa: PLC0415
+    except ImportError:
+        return None
+    return ldt
+
+
+def server_separates_state_groups() -> bool:
+    """Whether the installed lmcache's server writes a Mamba/GDN model's groups
+    as separate objects with a one-chunk state window (the hybrid-fa series'
+    part 06 declares it with ``SEPARATES_STATE_GROUPS``): a retrieve then
+    restores the state of the last chunk only, and an all-null state chunk
+    stores no state object."""
+    return bool(getattr(installed_server_module(), "SEPARATES_STATE_GROUPS", False))
+
+
 def connector_group_fields(geo: Geometry, rule: str = "connector") -> dict[str, dict[str, Any]]:
     """Per kind (``"gdn"``, ``"fa"``): the window fields the connector sets.
 

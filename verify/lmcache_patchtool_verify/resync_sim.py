@@ -48,6 +48,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request, RequestStatus
 
 import lmcache.integration.vllm.lmcache_mp_connector as mpc
+from lmcache_patchtool_verify import geometry
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 
@@ -56,15 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 # (same install) keeps a hybrid's groups in separate objects and skips an
 # all-null state chunk.  Pristine builds and the series without 06 store the
 # null block's bytes as the state of such a chunk (merged objects).
-def _server_skips_null_state() -> bool:
-    try:  # 0.5.4+; 0.5.3 keeps its tracker in the connector module (no part 06)
-        import lmcache.integration.vllm.lmcache_mp_metadata as mp_metadata  # noqa: PLC0415
-    except ImportError:
-        return False
-    return hasattr(getattr(mp_metadata, "_BlockIdResync", None), "chunk_end_state_ids")
-
-
-SERVER_SKIPS_NULL_STATE = _server_skips_null_state()
+SERVER_SKIPS_NULL_STATE = geometry.server_separates_state_groups()
 
 
 class FakeSchedulerAdapter:

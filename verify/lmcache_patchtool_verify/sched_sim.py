@@ -31,7 +31,6 @@ runtime venv (see tests/sched/conftest.py); ``--json`` / ``--markdown``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import types
@@ -221,27 +220,23 @@ def _install_connector(chunk: int, lookup: Callable[[list[int]], int] | None = N
     return mpc
 
 
-SEPARATED_MARKER = "separated_by_series"  # a series that forces separate objects
-
-
 def server_rules(objects: str = "auto") -> ServerRules:
     """The installed LMCache's server behaviour for this geometry.
 
     ``objects="auto"``: merged (LMCache's default) unless the installed server
-    forces separate object groups for hybrids (the hybrid-fa series' marker
-    :data:`SEPARATED_MARKER` in ``lmcache_driven_transfer.py``)."""
+    forces separate object groups for hybrids (the hybrid-fa series' part 06:
+    :func:`geometry.server_separates_state_groups`)."""
     from . import geometry  # noqa: PLC0415
 
     geo = geometry.Geometry(name="sched", tokens_per_block=N, kernel_page=N, num_kv_heads=1,
                             head_size=8, num_fa_layers=1, num_gdn_layers=2)
     sw = geometry.connector_group_fields(geo, "connector")["gdn"].get("sw_size_tokens", -1)
     info = {"sw_size_tokens": sw, "tokens_per_block": N}
-    spec = importlib.util.find_spec("lmcache.v1.multiprocess.modules.lmcache_driven_transfer")
-    src = open(spec.origin).read() if spec and spec.origin else ""  # noqa: SIM115
     if objects == "auto":
-        objects = "separate" if SEPARATED_MARKER in src else "merged"
+        objects = "separate" if geometry.server_separates_state_groups() else "merged"
     return ServerRules(mamba_keep_blocks=lambda bpc: geometry.kept_blocks_per_chunk(info, bpc),
-                       skips_all_null="def all_null_chunk_masks" in src, objects=objects)
+                       skips_all_null=hasattr(geometry.installed_server_module(), "all_null_chunk_masks"),
+                       objects=objects)
 
 
 # ----------------------------------------------------------------- simulation
