@@ -2,8 +2,9 @@
 """Time ``patchtool l2 scan DIR --assume kvl1 --json`` against ``find``.
 
 Builds a flat fs-L2-like tier (default 1,000,000 files; sizes are set with
-``ftruncate``, so the files are sparse and use no data blocks) on a tmpfs
-(/dev/shm) when there is one, mixing plain, namespaced, unpatched (1/k),
+``ftruncate``, so the files are sparse and use no data blocks) in $TMPDIR
+(a disk filesystem, where an fs L2 tier lives; ``--dir /dev/shm`` for tmpfs),
+mixing plain, namespaced, unpatched (1/k),
 size-mismatched, never-read and salted objects plus some tmp/foreign files.
 Then, as fresh processes interleaved round by round (so load drift hits all
 equally), it times:
@@ -11,10 +12,12 @@ equally), it times:
 * ``find DIR -type f | wc -l``: names only (getdents, no stat);
 * ``find DIR -type f -printf '%s %f\\n' | wc -l``: names and sizes, the same
   information the scan reads (one stat per file);
-* the real CLI, ``python -m patchtool l2 scan DIR --assume kvl1 --json``.
+* the real CLI, ``python -m patchtool l2 scan DIR --assume kvl1 --json``;
+* the same with ``--names-only`` (no lstat: what ``find -type f`` reads).
 
-It prints the medians, rates and the ratios of the scan's rate to each
-find's, and the scan's peak RSS.  With ``--quarantine`` it then times one
+It prints the medians, rates and the ratios of each scan's rate to the find
+that reads the same information (and of the full scan to the names-only
+find), and the full scan's peak RSS.  With ``--quarantine`` it then times one
 ``--quarantine`` run (into a sibling of the tier, so it moves the flagged
 31% once).  Usage:
 
@@ -93,11 +96,7 @@ def _run(cmd: list[str] | str, shell: bool = False) -> tuple[float, int, int, st
 
 
 def _pick_dir(arg: str | None, n: int) -> Path:
-    if arg:
-        base = Path(arg)
-    else:
-        shm = Path("/dev/shm")
-        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    base = Path(arg) if arg else Path(tempfile.gettempdir())
     vfs = os.statvfs(base)
     if vfs.f_favail and vfs.f_favail < n * 1.05 + 1000:
         sys.exit(f"bench_l2_scan: {base}: only {vfs.f_favail} free inodes for {n} files; "
@@ -109,7 +108,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=int, default=1_000_000)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--dir", help="where to build the tier (default: /dev/shm, else $TMPDIR)")
+    ap.add_argument("--dir", help="where to build the tier (default: $TMPDIR)")
     ap.add_argument("--keep", action="store_true", help="keep the tier afterwards")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--quarantine", action="store_true", help="also time one --quarantine run")
@@ -124,17 +123,21 @@ def main() -> int:
             "find -printf %s | wc -l": (f"find '{d}' -type f -printf '%s %f\\n' | wc -l", True),
             "l2 scan --json": ([sys.executable, "-m", "patchtool", "l2", "scan", str(d),
                                 "--assume", "kvl1", "--json"], False),
+            "l2 scan --names-only": ([sys.executable, "-m", "patchtool", "l2", "scan", str(d),
+                                      "--assume", "kvl1", "--json", "--names-only"], False),
         }
         times: dict[str, list[float]] = {k: [] for k in cmds}
-        rss, scan_doc = 0, None
+        rss, scan_doc, names_doc = 0, None, None
         for _ in range(args.rounds):
             for k, (cmd, shell) in cmds.items():
                 dt, rc, maxrss, out = _run(cmd, shell)
                 times[k].append(dt)
+                if k.startswith("l2 scan") and rc not in (0, 20):
+                    sys.exit(f"bench_l2_scan: {k} exited {rc}")
                 if k == "l2 scan --json":
-                    if rc not in (0, 20):
-                        sys.exit(f"bench_l2_scan: the scan exited {rc}")
                     rss, scan_doc = max(rss, maxrss), json.loads(out)
+                elif k == "l2 scan --names-only":
+                    names_doc = json.loads(out)
         med = {k: statistics.median(v) for k, v in times.items()}
         res = scan_doc["result"]
         files = args.files
@@ -146,6 +149,11 @@ def main() -> int:
             "ratio_scan_to_find_count": round(med["find | wc -l"] / med["l2 scan --json"], 3),
             "ratio_scan_to_find_sizes": round(med["find -printf %s | wc -l"]
                                               / med["l2 scan --json"], 3),
+            "ratio_names_only_to_find_count": round(med["find | wc -l"]
+                                                    / med["l2 scan --names-only"], 3),
+            "ratio_find_sizes_to_find_count": round(med["find | wc -l"]
+                                                    / med["find -printf %s | wc -l"], 3),
+            "names_only_never_read": names_doc["result"]["flagged"]["never-read"]["objects"],
             "scan_peak_rss_mib": round(rss / 1024, 1),
             "scan_objects": res["objects"], "scan_flagged": res["flagged_objects"],
             "scan_exit": scan_doc["exit_code"],
@@ -164,8 +172,14 @@ def main() -> int:
                   f"medians of {args.rounds} interleaved rounds:")
             for k in cmds:
                 print(f"  {k:<26} {med[k]:7.3f} s  {files / med[k]:>12,.0f} files/s")
-            print(f"  scan rate / find (names only) rate : {fig['ratio_scan_to_find_count']:.2f}x")
-            print(f"  scan rate / find -printf %s rate   : {fig['ratio_scan_to_find_sizes']:.2f}x")
+            print(f"  --names-only scan / find (names only)   : "
+                  f"{fig['ratio_names_only_to_find_count']:.2f}x")
+            print(f"  full scan / find -printf %s (sizes)     : "
+                  f"{fig['ratio_scan_to_find_sizes']:.2f}x")
+            print(f"  full scan / find (names only)           : "
+                  f"{fig['ratio_scan_to_find_count']:.2f}x")
+            print(f"  find -printf %s / find (names only)     : "
+                  f"{fig['ratio_find_sizes_to_find_count']:.2f}x  (the cost of a stat per file)")
             print(f"  scan peak RSS {fig['scan_peak_rss_mib']} MiB; {res['objects']} objects, "
                   f"{res['flagged_objects']} flagged (exit {scan_doc['exit_code']})")
             if args.quarantine:

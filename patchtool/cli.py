@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(same filesystem; nothing is deleted)")
     ls.add_argument("--only", metavar="LIST", help="with --quarantine: the categories to move "
                     "(never-read,unpatched,size-mismatch; default: all)")
+    ls.add_argument("--names-only", action="store_true", help="read names only, no lstat "
+                    "(about find -type f's cost): judges never-read alone")
     return ap
 
 
@@ -387,7 +389,7 @@ def cmd_l2(args) -> int:
         reader = l2scan.reader_for(st, pset.manifest.l2_format if pset else None)
     only = l2quarantine.parse_only(args.only)
     res = l2scan.run(Path(args.dir), reader, Path(args.quarantine) if args.quarantine else None,
-                     only)
+                     only if args.only is not None else None, sizes=not args.names_only)
     code = l2scan.exit_code(res)
     if args.json:
         output.emit_json("l2 scan", res, code)

@@ -3,7 +3,9 @@ read or would read wrongly, and ``--quarantine DEST`` to move it aside.
 
 Reads names and sizes only (one ``os.scandir`` pass, one ``lstat`` per
 object; no object is ever opened), so a million-file tier costs about what
-``find -printf %s`` costs (bench/bench_l2_scan.py).  Memory is a size
+``find -printf %s`` costs (bench/bench_l2_scan.py).  ``--names-only`` skips
+the ``lstat``s: it then costs about what ``find -type f`` costs, and flags
+only what names decide (``never-read``).  Memory is a size
 histogram per *set* (model, namespace, kv_rank, object group) and one
 example name per (set, size): nothing per file.
 
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
 NEVER_READ, UNPATCHED, SIZE_MISMATCH = "never-read", "unpatched", "size-mismatch"
 CATEGORIES = (NEVER_READ, UNPATCHED, SIZE_MISMATCH)
 FOREIGN_LISTED = 100  # names listed in the report; all are counted
+# The one histogram bucket of a names-only pass (no object was stat'ed).
+UNKNOWN_SIZE = -1
 
 
 # ---------------------------------------------------------------- the reader
@@ -121,6 +125,7 @@ class Tally:
     foreign: int = 0
     foreign_names: list[str] = field(default_factory=list)  # the smallest, sorted
     vanished: int = 0  # listed, then gone before its lstat (a live tier)
+    sizes_read: bool = True  # False: every histogram is {UNKNOWN_SIZE: ...}
 
 
 @contextmanager
@@ -151,10 +156,12 @@ def _foreign(t: Tally, name: str) -> None:
         del names[FOREIGN_LISTED:]
 
 
-def tally(path: Path) -> Tally:
+def tally(path: Path, sizes: bool = True) -> Tally:
     """One ``scandir`` pass.  The loop is written for speed (it runs once per
-    file): one regex match, one lstat, one dict lookup; no per-file object."""
-    t = Tally()
+    file): one regex match, one lstat, one dict lookup; no per-file object.
+    Without ``sizes`` there is no lstat: every object lands in the
+    ``UNKNOWN_SIZE`` bucket of its set."""
+    t = Tally(sizes_read=sizes)
     sets = t.sets
     match = OBJECT_RE.fullmatch
     with dir_entries(path) as it:
@@ -170,13 +177,16 @@ def tally(path: Path) -> Tally:
                 else:
                     _foreign(t, name)  # incl. links and special files named like objects
                 continue
-            try:
-                size = entry.stat(follow_symlinks=False).st_size
-            except FileNotFoundError:
-                t.vanished += 1
-                continue
-            except OSError as exc:
-                raise fsio.refusal_for(path / name, exc, "stat it") from None
+            if sizes:
+                try:
+                    size = entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    t.vanished += 1
+                    continue
+                except OSError as exc:
+                    raise fsio.refusal_for(path / name, exc, "stat it") from None
+            else:
+                size = UNKNOWN_SIZE
             prefix = name[:m.end(3)]
             hist = sets.get(prefix)
             if hist is None:
@@ -197,11 +207,11 @@ def tally(path: Path) -> Tally:
 @dataclass
 class Flag:
     category: str
-    size: int
+    size: int | None  # None: a names-only scan (the flag covers every size)
     objects: int
-    bytes: int
+    bytes: int | None
     example: str
-    reference_size: int  # the dominant size (size-mismatch) or the namespaced size (unpatched)
+    reference_size: int | None  # the dominant size (size-mismatch) or the namespaced size
     k: int | None = None  # unpatched: reference_size // size
     namespace: str | None = None  # unpatched: the namespace whose size it divides
 
@@ -215,8 +225,8 @@ class ObjectSet:
     object_group: int
     readable: bool  # the reader looks these names up
     objects: int
-    bytes: int
-    dominant_size: int
+    bytes: int | None  # None (and no sizes, no dominant size) in a names-only scan
+    dominant_size: int | None
     dominant_tied: bool  # another size has as many objects (the smaller size wins)
     sizes: dict[int, int]
     flagged: list[Flag] = field(default_factory=list)
@@ -225,7 +235,7 @@ class ObjectSet:
 @dataclass
 class Total:
     objects: int = 0
-    bytes: int = 0
+    bytes: int | None = 0
 
 
 def dominant(hist: dict[int, list]) -> tuple[int, bool]:
@@ -243,6 +253,8 @@ Plan = dict[str, dict[int | None, tuple[str, int | None]]]
 
 
 def categorize(t: Tally, reader: TierReader) -> tuple[list[ObjectSet], Plan]:
+    if not t.sizes_read:
+        return _categorize_names(t, reader)
     keys = {p: prefix_key(p) for p in t.sets}
     # Namespaced reference sizes per (model, kv_rank, group): kv_rank must
     # match, since TP sharding divides sizes by integers too.
@@ -290,6 +302,23 @@ def categorize(t: Tally, reader: TierReader) -> tuple[list[ObjectSet], Plan]:
     return sets, plan
 
 
+def _categorize_names(t: Tally, reader: TierReader) -> tuple[list[ObjectSet], Plan]:
+    """A names-only pass decides ``never-read`` alone: ``unpatched`` and
+    ``size-mismatch`` are judged by sizes, which it did not read."""
+    keys = {p: prefix_key(p) for p in t.sets}
+    sets: list[ObjectSet] = []
+    plan: Plan = {}
+    for p in sorted(t.sets, key=lambda p: _order(keys[p])):
+        k, (n, example) = keys[p], t.sets[p][UNKNOWN_SIZE]
+        row = ObjectSet(k.model, k.namespace, k.layout_format, k.kv_rank_hex, k.object_group,
+                        reader.reads(k), n, None, None, False, {})
+        sets.append(row)
+        if not row.readable:
+            row.flagged = [Flag(NEVER_READ, None, n, None, example, None)]
+            plan[p] = {None: (NEVER_READ, None)}
+    return sets, plan
+
+
 def _order(k: SetKey) -> tuple:
     return (k.model, k.namespace, k.kv_rank, k.object_group)
 
@@ -301,8 +330,9 @@ def _order(k: SetKey) -> tuple:
 class ScanResult:
     dir: str
     reader: TierReader
+    sizes_read: bool  # False: --names-only (no lstat; only never-read is judged)
     objects: int
-    bytes: int
+    bytes: int | None
     tmp_files: int
     subdirs: int
     foreign: int
@@ -316,18 +346,21 @@ class ScanResult:
     remaining_flagged: int = 0  # flagged objects still in DIR after the command
 
 
-def scan(path: Path, reader: TierReader) -> tuple[ScanResult, Plan]:
-    t = tally(path)
+def scan(path: Path, reader: TierReader, sizes: bool = True) -> tuple[ScanResult, Plan]:
+    t = tally(path, sizes)
     sets, plan = categorize(t, reader)
-    flagged = {c: Total() for c in CATEGORIES}
+    flagged = {c: Total(bytes=0 if sizes else None) for c in CATEGORIES}
     for s in sets:
         for f in s.flagged:
             flagged[f.category].objects += f.objects
-            flagged[f.category].bytes += f.bytes
+            if sizes:
+                flagged[f.category].bytes += f.bytes
     n = sum(v.objects for v in flagged.values())
-    res = ScanResult(str(path), reader, sum(s.objects for s in sets), sum(s.bytes for s in sets),
+    total = sum(s.bytes for s in sets) if sizes else None
+    flagged_bytes = sum(v.bytes for v in flagged.values()) if sizes else None
+    res = ScanResult(str(path), reader, sizes, sum(s.objects for s in sets), total,
                      t.tmp_files, t.subdirs, t.foreign, t.foreign_names, t.vanished, sets,
-                     flagged, n, sum(v.bytes for v in flagged.values()), None, n)
+                     flagged, n, flagged_bytes, None, n)
     return res, plan
 
 
@@ -337,16 +370,21 @@ def exit_code(res: ScanResult) -> ExitCode:
 
 
 def run(path: Path, reader: TierReader, dest: Path | None = None,
-        only: list[str] | None = None) -> ScanResult:
+        only: list[str] | None = None, sizes: bool = True) -> ScanResult:
     """The command: scan, and with ``dest`` quarantine; every refusal comes
-    before the first write."""
+    before the first write.  ``sizes=False`` is ``--names-only``."""
     from .l2quarantine import check_dest, quarantine  # the quarantine builds on the scan
 
+    if not sizes and only and set(only) - {NEVER_READ}:
+        raise Refusal("--only", f"--names-only judges {NEVER_READ} only (the other categories "
+                      "are decided by sizes): drop --names-only or choose --only never-read",
+                      ExitCode.USAGE)
     create = check_dest(path, dest) if dest is not None else False
-    res, plan = scan(path, reader)
+    res, plan = scan(path, reader, sizes)
     if dest is None:
         return res
-    only = only or list(CATEGORIES)
+    if only is None:
+        only = list(CATEGORIES) if sizes else [NEVER_READ]
     res.quarantine = quarantine(path, dest, plan, only, reader, create)
     q = res.quarantine
     # Not selected by --only, or refused: still in DIR.  (A resumed run moves
@@ -368,12 +406,16 @@ def render(res: ScanResult, code: int) -> None:
     con.print(f"reader      : {res.reader.detail}")
     con.print(f"objects     : {res.objects} ({_size(res.bytes)}); skipped {res.tmp_files} tmp "
               f"file(s), {res.subdirs} subdir(s); {res.foreign} foreign")
+    if not res.sizes_read:
+        con.print(f"sizes       : not read (--names-only): only {NEVER_READ} is judged; "
+                  f"{UNPATCHED} and {SIZE_MISMATCH} need a scan without --names-only")
     for s in res.sets:
         ns = s.namespace or "(plain)"
         unread = "" if s.readable else " [red](never read)[/]"
         sizes = ", ".join(f"{size} B x{n}" for size, n in s.sizes.items())
+        sizes = f"; sizes {sizes}" if res.sizes_read else ""
         con.print(f"  {s.model}  {ns}{unread}  kv_rank {s.kv_rank}  group {s.object_group}: "
-                  f"{s.objects} object(s), {_size(s.bytes)}; sizes {sizes}")
+                  f"{s.objects} object(s), {_size(s.bytes)}{sizes}")
         for f in s.flagged:
             con.print(f"    [red]{_flag(f)}[/], e.g. {f.example}")
     for c, tot in res.flagged.items():
@@ -393,11 +435,16 @@ def render(res: ScanResult, code: int) -> None:
     if code:
         con.print(f"exit code {int(code)}: {res.remaining_flagged} flagged object(s) in "
                   f"{res.dir}")
-    else:
+    elif res.sizes_read:
         con.print("nothing flagged")
+    else:
+        con.print(f"nothing flagged by name ({UNPATCHED} and {SIZE_MISMATCH} not judged: "
+                  "sizes not read)")
 
 
 def _flag(f: Flag) -> str:
+    if f.size is None:
+        return f"{f.category}: {f.objects} object(s)"
     n = f"{f.objects} object(s) of {f.size} B"
     if f.category == UNPATCHED:
         return f"{f.category}: {n} = 1/{f.k} of {f.namespace}'s {f.reference_size} B"
@@ -406,7 +453,9 @@ def _flag(f: Flag) -> str:
     return f"{f.category}: {n}"
 
 
-def _size(n: int) -> str:
+def _size(n: int | None) -> str:
+    if n is None:
+        return "size not read"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"

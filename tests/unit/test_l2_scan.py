@@ -146,7 +146,8 @@ def test_scan_categories_for_a_kvl1_reader(tier):
     rc, doc = scan_json(tier.dir, "--assume", "kvl1")
     assert rc == FLAGGED and doc["exit_code"] == FLAGGED and doc["command"] == "l2 scan"
     res = doc["result"]
-    assert set(res) == {"dir", "reader", "objects", "bytes", "tmp_files", "subdirs", "foreign",
+    assert set(res) == {"dir", "reader", "sizes_read", "objects", "bytes", "tmp_files",
+                        "subdirs", "foreign",
                         "foreign_names", "vanished", "sets", "flagged", "flagged_objects",
                         "flagged_bytes", "quarantine", "remaining_flagged"}
     assert res["reader"] == {"layout_format": 1, "source": "assume",
@@ -178,6 +179,73 @@ def test_scan_categories_for_a_kvl1_reader(tier):
     assert [f["category"] for f in rows[M, NS2, 0]["flagged"]] == ["never-read"]
     assert rows["meta-llama/Llama-3-8B", "", 0]["flagged"] == []
     assert tree(tier.dir) == tier.before  # a scan writes nothing
+
+
+def test_names_only_judges_never_read_alone(tier):
+    """``--names-only``: the same sets, object counts and never-read flags as
+    the full scan; no sizes, no size-decided category, exit 20 for what names
+    decide; a scan writes nothing."""
+    rc_full, full = scan_json(tier.dir, "--assume", "kvl1")
+    rc, doc = scan_json(tier.dir, "--assume", "kvl1", "--names-only")
+    res, fres = doc["result"], full["result"]
+    assert rc == FLAGGED and res["sizes_read"] is False and fres["sizes_read"] is True
+    assert res["bytes"] is None and res["flagged_bytes"] is None
+    assert res["flagged"] == {"never-read": {"objects": 2, "bytes": None},
+                              "unpatched": {"objects": 0, "bytes": None},
+                              "size-mismatch": {"objects": 0, "bytes": None}}
+    key = lambda s: (s["model"], s["namespace"], s["object_group"])  # noqa: E731
+    assert [(key(s), s["objects"], s["readable"]) for s in res["sets"]] == \
+        [(key(s), s["objects"], s["readable"]) for s in fres["sets"]]
+    for s in res["sets"]:
+        assert (s["bytes"], s["dominant_size"], s["sizes"]) == (None, None, {})
+        assert [f["category"] for f in s["flagged"]] == \
+            (["never-read"] if not s["readable"] else [])
+    [nr] = [f for s in res["sets"] for f in s["flagged"]]
+    assert (nr["size"], nr["objects"], nr["example"]) == (None, 2, name(0, 40, NS2))
+    assert (res["objects"], res["tmp_files"], res["subdirs"], res["foreign"]) == \
+        (fres["objects"], fres["tmp_files"], fres["subdirs"], fres["foreign"])
+    r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--names-only")
+    assert r.rc == FLAGGED and "sizes       : not read (--names-only)" in r.out
+    assert tree(tier.dir) == tier.before
+    # A pristine reader: every namespaced set by name, the plain ones are its own.
+    rc, doc = scan_json(tier.dir, "--assume", "pristine", "--names-only")
+    assert rc == FLAGGED and doc["result"]["flagged"]["never-read"]["objects"] == 5
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_names_only_never_stats_an_object(tier):
+    """The point of ``--names-only``: no stat of any object (the full scan
+    makes one per object), proved on the real process with strace."""
+    def stats(*extra: str) -> set[str]:
+        log = tier.dir.parent / "strace.log"
+        subprocess.run(["strace", "-f", "-qq", "-e", "trace=/stat", "-o", str(log),
+                        sys.executable, "-m", "patchtool", "l2", "scan", str(tier.dir),
+                        "--assume", "kvl1", "--json", *extra], check=False,
+                       capture_output=True)
+        text = log.read_text()
+        log.unlink()
+        return {n for n in os.listdir(tier.dir) if n.endswith(".data") and f'"{n}"' in text}
+    assert len(stats()) == 13  # the control: the full scan stats every object
+    assert stats("--names-only") == set()
+
+
+def test_names_only_quarantine_moves_never_read_only(tmp_path, tier):
+    q = tmp_path / "q"
+    r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--names-only", "--only",
+            "never-read,size-mismatch", "--quarantine", str(q))
+    one_line(r, 2, "--only", "--names-only judges never-read only")
+    assert not q.exists() and tree(tier.dir) == tier.before
+    r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--names-only", "--quarantine",
+            str(q), "--json")
+    assert r.rc == 0, r.err
+    qr = r.json["result"]["quarantine"]
+    assert (qr["only"], qr["moved"], qr["moved_by_category"]) == \
+        (["never-read"], 2, {"never-read": 2})
+    assert set(tree(q)) - {l2quarantine.JOURNAL} == \
+        {n for n, c in tier.flagged.items() if c == "never-read"}
+    _check_split(tier.dir, q, tier.before)
+    r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--names-only")
+    assert r.rc == 0 and "nothing flagged by name" in r.out
 
 
 def test_scan_for_a_pristine_reader(tier):
