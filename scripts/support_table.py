@@ -1,12 +1,20 @@
 #!/usr/bin/env python3
-"""Generate README's support table from the shipped manifests.
+"""Generate README's support tables from the shipped manifests and the
+recorded evidence.
 
-The table (LMCache version x vLLM versions verified x state) sits between
-``<!-- support-table:start -->`` and ``<!-- support-table:end -->`` in
-README.md. It is never edited by hand: run
+Two tables sit between ``<!-- support-table:start -->`` and
+``<!-- support-table:end -->`` in README.md: the patch sets (LMCache version,
+set, vLLM verified, state, patches, files), and the LMCache x vLLM cells
+(verified on CPU / on GPU / not verified, with why), decided by
+``scripts/vllm_cells.py`` from ``verify/evidence/``.  A manifest's
+``vllm_versions`` must be exactly its verified cells.  Nothing is typed by
+hand: run
 
-    python scripts/support_table.py          # rewrite README.md in place
-    python scripts/support_table.py --check  # exit 1 if README is stale (tests run this)
+    python scripts/support_table.py                    # rewrite README.md in place
+    python scripts/support_table.py --write-manifests  # also set each manifest's vllm_versions
+                                                       # from the evidence (patchtool manifest build)
+    python scripts/support_table.py --check            # exit 1 if README or a manifest
+                                                       # disagrees (tests run this)
 """
 
 from __future__ import annotations
@@ -22,11 +30,14 @@ from packaging.version import Version  # noqa: E402
 
 from patchtool.manifest import list_patch_sets  # noqa: E402
 
+sys.path.insert(0, str(REPO / "scripts"))
+import vllm_cells  # noqa: E402
+
 START = "<!-- support-table:start -->"
 END = "<!-- support-table:end -->"
 
 
-def render(patches_root: Path) -> str:
+def render(patches_root: Path, cells: tuple[list[str], list] | None = None) -> str:
     rows = sorted(list_patch_sets(patches_root), key=lambda r: (Version(r.lmcache_version), r.set))
     out = [
         "| LMCache | patch set | vLLM verified | state | patches | files patched |",
@@ -42,7 +53,81 @@ def render(patches_root: Path) -> str:
         out.append(f"| {row.lmcache_version} | {row.set} | {vllm} | {state} | {row.patches} | {files} |")
     out.append("")
     out.append("Any other LMCache version is reported as `unsupported-version` by `patchtool status`.")
+    columns, cells_ = cells if cells is not None else _cells(patches_root)
+    if columns:
+        out += ["", _render_cells(columns, cells_)]
     return "\n".join(out)
+
+
+def _lmcache_versions(patches_root: Path) -> list[str]:
+    return sorted({r.lmcache_version for r in list_patch_sets(patches_root)
+                   if r.set == "hybrid-fa" and r.state == "patch"}, key=Version)
+
+
+def _cells(patches_root: Path) -> tuple[list[str], list]:
+    return vllm_cells.cells(_lmcache_versions(patches_root), patches_root)
+
+
+def _render_cells(columns: list[str], cells_: list) -> str:
+    """LMCache x vLLM: CPU / GPU / - with numbered footnotes (one per reason)."""
+    notes: list[str] = []
+    by = {(c.lmcache, c.vllm): c for c in cells_}
+    lines = ["LMCache x vLLM, hybrid-fa series, from `verify/evidence/` "
+             "(`scripts/vllm_cells.py`): **CPU** = verified on CPU (scheduler simulation with "
+             "that vLLM's scheduler, round-trip harness and CPU restore gate pass patched; "
+             "pristine fails), **GPU** = also a GPU gate pass in `verify/results/`, "
+             "**-** = not verified (why: the note).", "",
+             "| LMCache | " + " | ".join(f"vLLM {v}" for v in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for lm in sorted({c.lmcache for c in cells_}, key=Version):
+        row = []
+        for v in columns:
+            c = by[(lm, v)]
+            if c.status == "-":
+                if c.why not in notes:
+                    notes.append(c.why)
+                row.append(f"- ({notes.index(c.why) + 1})")
+            else:
+                row.append(c.status)
+        lines.append(f"| {lm} | " + " | ".join(row) + " |")
+    if notes:
+        lines.append("")
+        lines += [f"{i}. {n}" for i, n in enumerate(notes, 1)]
+    return "\n".join(lines)
+
+
+def manifest_mismatches(patches_root: Path, cells_: list) -> list[str]:
+    """Manifests whose vllm_versions are not exactly their verified cells."""
+    bad = []
+    for row in list_patch_sets(patches_root):
+        if row.set != "hybrid-fa" or row.state != "patch":
+            continue
+        want = vllm_cells.verified(cells_, row.lmcache_version)
+        if list(row.vllm_versions) != want:
+            bad.append(f"patches/{row.set}/{row.lmcache_version}/manifest.json: vllm_versions "
+                       f"{list(row.vllm_versions)} but the evidence verifies {want}")
+    return bad
+
+
+def write_manifests(patches_root: Path, cells_: list) -> None:
+    """Rebuild each hybrid-fa manifest from its real wheel with the verified
+    vLLM versions (the tool recomputes every hash; nothing else changes)."""
+    import subprocess  # noqa: PLC0415
+
+    import provision  # noqa: PLC0415
+
+    for row in list_patch_sets(patches_root):
+        if row.set != "hybrid-fa" or row.state != "patch":
+            continue
+        want = vllm_cells.verified(cells_, row.lmcache_version)
+        if list(row.vllm_versions) == want or not want:
+            continue
+        args = [sys.executable, "-m", "patchtool", "manifest", "build",
+                str(patches_root / row.set / row.lmcache_version),
+                "--wheel", str(provision.wheel(row.lmcache_version))]
+        for v in want:
+            args += ["--vllm", v]
+        subprocess.run(args, check=True, cwd=REPO)
 
 
 def updated_readme(readme: str, table: str) -> str:
@@ -56,16 +141,23 @@ def updated_readme(readme: str, table: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--write-manifests", action="store_true")
     args = ap.parse_args()
+    patches_root = REPO / "patches"
+    cells = _cells(patches_root)
+    if args.write_manifests:
+        write_manifests(patches_root, cells[1])
     readme_path = REPO / "README.md"
     readme = readme_path.read_text()
-    new = updated_readme(readme, render(REPO / "patches"))
+    new = updated_readme(readme, render(patches_root, cells))
     if args.check:
+        problems = manifest_mismatches(patches_root, cells[1]) if cells[0] else []
         if new != readme:
-            print("support_table: README.md: support table is stale; run python scripts/support_table.py",
-                  file=sys.stderr)
-            return 1
-        return 0
+            problems.append("README.md: support table is stale; run python "
+                            "scripts/support_table.py")
+        for line in problems:
+            print(f"support_table: {line}", file=sys.stderr)
+        return 1 if problems else 0
     readme_path.write_text(new)
     return 0
 

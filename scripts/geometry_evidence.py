@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Generate ``verify/evidence/geometry-matrix.json``: the round-trip harness
+and the CPU restore gate over every geometry preset, per LMCache version,
+pristine and patched.  ``scripts/support_table.py`` reads it (with the
+scheduler evidence) to decide which LMCache x vLLM cells say "verified".
+
+    python3 scripts/geometry_evidence.py                 # all versions (~15 min here)
+    python3 scripts/geometry_evidence.py --versions 0.5.3 --out /tmp/g.json
+
+What runs, per (version, build):
+
+* the ports harness (``lmcache_patchtool_verify.ports_roundtrip --edits``:
+  the installed connector's own registration edits, HND, Python path) on every
+  preset of ``geometry.PRESETS``, two cells each (C = 1N x3 chunks; C = 2N x3
+  skipping one block at retrieve);
+* the CPU restore gate (``verify/restore_gate.py``: real ``lmcache server``,
+  fs L2, SIGKILL, restart) on every preset whose registration the gate can
+  drive (the vLLM 0.27-style GDN view; the 0.30+ view fails registration on
+  CPU on every version, docs/ports.md).
+
+Schema (``"schema": 1``)::
+
+    {"schema": 1, "generated": "<UTC date>", "host": {...},
+     "cells": [{"lmcache": "0.5.3", "build": "pristine"|"patched",
+                "series_sha256": "<sha256 of the patch files, in order>" | null,
+                "presets": {"<preset>": {
+                    "k": int, "gdn_view": "0.27"|"0.30", "hybrid": bool,
+                    "harness": {"pass": bool, "cells": [{"name", "pass", "error"|null,
+                                                         "reasons", "fa_fraction",
+                                                         "gdn_fraction"}]},
+                    "gate": {"verdict": "pass"|"fail"|"not-run", "reasons": [...]}}}}]}
+
+``series_sha256`` lets the table refuse evidence that predates the shipped
+series (a patch changed since the run).  Nothing here is typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "verify"))
+
+import provision  # noqa: E402
+
+from lmcache_patchtool_verify import geometry  # noqa: E402
+
+VERSIONS = ("0.5.3", "0.5.4", "0.5.5", "0.5.6")
+OUT = REPO / "verify" / "evidence" / "geometry-matrix.json"
+SCHEMA = 1
+CELLS = ((1, 0), (2, 1))  # (chunk blocks, blocks skipped at retrieve)
+
+
+def series(version: str) -> list[Path]:
+    return sorted((REPO / "patches" / "hybrid-fa" / version).glob("*.patch"))
+
+
+def series_sha256(version: str) -> str:
+    """What the table compares with the shipped series: the patch files'
+    bytes, in apply order, with their names."""
+    h = hashlib.sha256()
+    for p in series(version):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _log(msg: str) -> None:
+    print(f"[geometry-evidence {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_harness(version: str, overlay: Path) -> dict:
+    python = provision.runtime_env(version) / "bin" / "python"
+    args = [str(python), "-m", "lmcache_patchtool_verify.ports_roundtrip", "--json",
+            "--no-hashes", "--path", "python", "--layout", "HND", "--edits"]
+    for name in geometry.PRESETS:
+        for cb, skip in CELLS:
+            args += ["--cell", f"preset={name},chunk_blocks={cb},num_chunks=3,skip_blocks={skip}"]
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}", LMCACHE_DISABLE_BANNER="1")
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"geometry_evidence: harness {version} exited {proc.returncode}: "
+                         f"{proc.stderr.strip().splitlines()[-1:]}")
+    doc = json.loads(proc.stdout)
+    if Path(doc["lmcache"]["root"]).resolve() != overlay.resolve():
+        raise SystemExit(f"geometry_evidence: the harness ran {doc['lmcache']['root']}, "
+                         f"not {overlay}")
+    out: dict[str, list[dict]] = {}
+    for c in doc["cells"]:
+        preset = c["name"].split("/")[0]
+        groups = c.get("groups", {})
+        out.setdefault(preset, []).append({
+            "name": c["name"],
+            "pass": bool(c.get("verdict", {}).get("pass")) and "error" not in c,
+            "error": (c.get("error") or "")[:300] or None,
+            "reasons": [r[:200] for r in c.get("verdict", {}).get("reasons", [])[:3]],
+            "fa_fraction": groups.get("fa", {}).get("fraction"),
+            "gdn_fraction": groups.get("gdn", {}).get("fraction"),
+        })
+    return out
+
+
+def gate_presets() -> list[str]:
+    return [n for n, g in geometry.PRESETS.items() if g.gdn_view == "0.27"]
+
+
+def run_gate(version: str, overlay: Path) -> dict:
+    python = provision.runtime_env(version) / "bin" / "python"
+    argv = [str(python), str(REPO / "verify" / "restore_gate.py"), "--json", "--no-stay-alive",
+            "--quiet"]
+    for p in gate_presets():
+        argv += ["--preset", p]
+    env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600,
+                          cwd=str(REPO))
+    try:
+        report = json.loads(proc.stdout)
+    except ValueError:
+        raise SystemExit(f"geometry_evidence: gate {version}: no JSON report (rc "
+                         f"{proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}") from None
+    if report["versions"]["lmcache"] != version:
+        raise SystemExit(f"geometry_evidence: the gate ran lmcache {report['versions']['lmcache']}")
+    return {p["preset"]: {"verdict": p["verdict"], "reasons": p.get("reasons", [])[:5]}
+            for p in report["presets"]}
+
+
+def cell(version: str, build: str) -> dict:
+    patches = series(version) if build == "patched" else None
+    overlay = provision.overlay(version, patches)
+    _log(f"{version} {build}: harness ({len(geometry.PRESETS)} presets x {len(CELLS)} cells)")
+    harness = run_harness(version, overlay)
+    _log(f"{version} {build}: restore gate ({len(gate_presets())} presets)")
+    gate = run_gate(version, overlay)
+    presets = {}
+    for name, g in geometry.PRESETS.items():
+        cells = harness.get(name, [])
+        presets[name] = {
+            "k": g.k, "gdn_view": g.gdn_view, "hybrid": g.num_gdn_layers > 0,
+            "harness": {"pass": bool(cells) and all(c["pass"] for c in cells), "cells": cells},
+            "gate": gate.get(name, {"verdict": "not-run", "reasons": []}),
+        }
+    return {"lmcache": version, "build": build,
+            "series_sha256": series_sha256(version) if patches else None, "presets": presets}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--versions", default=",".join(VERSIONS))
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args()
+    started = time.monotonic()
+    cells = [cell(v, b) for v in args.versions.split(",") for b in ("pristine", "patched")]
+    doc = {"schema": SCHEMA, "generated": time.strftime("%Y-%m-%d", time.gmtime()),
+           "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "device": "cpu"},
+           "seconds": round(time.monotonic() - started), "cells": cells}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    _log(f"wrote {out} ({doc['seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""LMCache x vLLM support cells come from evidence files alone
+(``scripts/vllm_cells.py``): each check that can deny a cell is shown to deny
+it, on synthetic evidence written here."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import vllm_cells  # noqa: E402
+
+LM = "0.5.3"
+OLD, NEW = "0.27.1", "0.33.0"
+
+
+def _preset(ok: bool, view: str = "0.27", gate: str | None = None) -> dict:
+    return {"k": 17, "gdn_view": view, "hybrid": True,
+            "harness": {"pass": ok, "cells": [{"name": "x", "pass": ok, "error": None,
+                                                "reasons": [] if ok else ["FA bytes differ"],
+                                                "fa_fraction": 1.0 if ok else 0.0,
+                                                "gdn_fraction": 1.0}]},
+            "gate": {"verdict": gate or ("pass" if ok else "fail"), "reasons": []}}
+
+
+def _geometry(patches_root: Path) -> dict:
+    all_presets = {p for _, ps in vllm_cells._PRESETS_BY_VLLM for p in ps}
+    patched = {n: _preset(True, "0.30" if n.endswith("v030") else "0.27",
+                          "not-run" if n.endswith("v030") else None) for n in all_presets}
+    pristine = {n: _preset(n in ("control-k1", "control-k1-v030")) for n in all_presets}
+    return {"schema": 1, "cells": [
+        {"lmcache": LM, "build": "patched",
+         "series_sha256": vllm_cells.series_sha256(LM, patches_root), "presets": patched},
+        {"lmcache": LM, "build": "pristine", "series_sha256": None, "presets": pristine}]}
+
+
+def _sched() -> dict:
+    rows = []
+    for v in (OLD, NEW):
+        rows.append({"lmcache": LM, "vllm": v, "build": "patched", "constructed": True,
+                     "divergences": 0, "wrong_stores": 0, "wrong_state_hits": 0})
+        rows.append({"lmcache": LM, "vllm": v, "build": "pristine", "constructed": True,
+                     "divergences": 0, "wrong_stores": 3, "wrong_state_hits": 1,
+                     "bug_shows": True})
+    return {"schema": 1, "cells": rows}
+
+
+@pytest.fixture
+def ev(tmp_path):
+    root = tmp_path / "patches"
+    (root / "hybrid-fa" / LM).mkdir(parents=True)
+    (root / "hybrid-fa" / LM / "01-a.patch").write_text("--- a\n+++ b\n")
+    results = tmp_path / "results"
+    results.mkdir()
+    docs = {"geometry": _geometry(root), "sched": _sched()}
+
+    def run(mutate=None) -> dict[str, vllm_cells.Cell]:
+        d = copy.deepcopy(docs)
+        if mutate:
+            mutate(d)
+        g, s = tmp_path / "g.json", tmp_path / "s.json"
+        g.write_text(json.dumps(d["geometry"]))
+        s.write_text(json.dumps(d["sched"]))
+        cols, cells = vllm_cells.cells([LM], root, g, s, results)
+        assert cols == [OLD, NEW]
+        return {c.vllm: c for c in cells}
+
+    run.root, run.results = root, results
+    return run
+
+
+def test_all_checks_pass_is_cpu(ev):
+    cells = ev()
+    assert {v: c.status for v, c in cells.items()} == {OLD: "CPU", NEW: "CPU"}
+    assert vllm_cells.verified(list(cells.values()), LM) == [OLD, NEW]
+
+
+@pytest.mark.parametrize("field,text", [("divergences", "1 block-id divergences"),
+                                        ("wrong_stores", "1 wrong-block stores"),
+                                        ("wrong_state_hits", "1 wrong-state hits")])
+def test_a_scheduler_fault_denies_the_cell(ev, field, text):
+    def m(d):
+        d["sched"]["cells"][0][field] = 1  # OLD, patched
+    cells = ev(m)
+    assert cells[OLD].status == "-" and cells[OLD].why == f"scheduler simulation: {text} patched"
+    assert cells[NEW].status == "CPU"
+
+
+def test_not_constructed_and_missing_pair(ev):
+    def m(d):
+        d["sched"]["cells"][2].update(constructed=False, reason="TypeError: base class")
+        del d["sched"]["cells"][1]  # OLD pristine: absent is fine for patched-only checks
+    cells = ev(m)
+    assert cells[NEW].status == "-" and "does not construct (TypeError: base class)" in cells[NEW].why
+    assert cells[OLD].status == "CPU"
+
+
+def test_pristine_without_the_bug_denies(ev):
+    def m(d):
+        d["sched"]["cells"][1]["bug_shows"] = False
+    assert "pristine shows no bug" in ev(m)[OLD].why
+
+
+def test_geometry_checks(ev):
+    def fail_576(d):
+        d["geometry"]["cells"][0]["presets"]["qwen35-bs576-v030"]["harness"] = \
+            _preset(False)["harness"]
+    cells = ev(fail_576)
+    assert cells[OLD].status == "CPU"  # 0.27 registers no 576-v030
+    assert cells[NEW].status == "-" and "harness fails qwen35-bs576-v030 patched" in cells[NEW].why
+
+    def gate_fail(d):
+        d["geometry"]["cells"][0]["presets"]["qwen35-0.8b"]["gate"]["verdict"] = "fail"
+    assert "CPU restore gate fails qwen35-0.8b" in ev(gate_fail)[OLD].why
+
+    def pristine_passes(d):
+        for p in d["geometry"]["cells"][1]["presets"].values():
+            p["harness"] = _preset(True)["harness"]
+            p["gate"]["verdict"] = "pass"
+    assert "cannot tell the fix from no fix" in ev(pristine_passes)[OLD].why
+
+
+def test_stale_series_denies(ev):
+    (ev.root / "hybrid-fa" / LM / "02-b.patch").write_text("--- a\n+++ b\n")
+    cells = ev()
+    assert all(c.status == "-" and "predates the shipped series" in c.why for c in cells.values())
+
+
+def test_gpu_needs_a_real_patched_pass(ev):
+    doc = {"environment": {"target": {"packages": {"lmcache": LM, "vllm": OLD},
+                                      "patch_marker_present": True}},
+           "verdict": {"status": "pass"}}
+    (ev.results / "r.json").write_text(json.dumps(doc))
+    cells = ev()
+    assert (cells[OLD].status, cells[NEW].status) == ("GPU", "CPU")
+    doc["verdict"]["status"] = "fail"
+    (ev.results / "r.json").write_text(json.dumps(doc))
+    assert ev()[OLD].status == "CPU"
+
+
+def test_presets_for():
+    assert vllm_cells.presets_for("0.27.1") == ("qwen35-0.8b", "gdn-27b", "pure-attn-bs128",
+                                                "control-k1")
+    assert vllm_cells.presets_for("0.29.0") == vllm_cells.presets_for("0.28.0")
+    assert "qwen35-bs576-v030" in vllm_cells.presets_for("0.33.0")
+    assert "qwen35-bs576-v030" not in vllm_cells.presets_for("0.30.0")
+    assert vllm_cells.presets_for("0.26.0") == ()
+
+
+def test_render_footnotes_and_manifest_check(ev, tmp_path):
+    import support_table  # noqa: PLC0415
+
+    def m(d):
+        d["sched"]["cells"][2]["divergences"] = 4
+    cells = list(ev(m).values())
+    text = support_table._render_cells([OLD, NEW], cells)
+    assert f"| {LM} | CPU | - (1) |" in text
+    assert "1. scheduler simulation: 4 block-id divergences patched" in text
