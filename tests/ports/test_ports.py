@@ -82,6 +82,8 @@ def test_series_applies_with_zero_fuzz(version):
     expected += ["05-layout-keys.patch", "06-state-chunk-ends.patch"]
     if version != "0.5.6":  # 0.5.6 reserves the last token upstream
         expected.append("07-lookup-reserves-last-token.patch")
+    # revision 3: the resync takes vLLM 0.30+'s kv_connector_block_state
+    expected.append("08-block-state-from-vllm.patch")
     assert [p.name for p in series] == expected
     overlay = provision.overlay(version, series)  # GNU patch -p1 -F0; raises on fuzz/reject
     text = "".join((overlay / p).read_text() for p in (

@@ -1,11 +1,13 @@
-"""Part 03 (block-id resync) and the DCP guard, ported to LMCache 0.5.4,
-0.5.5 and 0.5.6: each version's connector vs vLLM 0.27.1's real
-scheduler-side block lists (BlockPool + MambaManager align/spec + FA).
+"""Part 03 (block-id resync), the DCP guard and part 08 (block state from
+vLLM 0.30+), ported to LMCache 0.5.4, 0.5.5 and 0.5.6: each version's
+connector vs vLLM's real scheduler-side block lists (BlockPool + MambaManager
+align/spec + FA), on vLLM 0.27.1 and 0.33.0.
 
-One parametrized test per version runs every check on one pristine and one
-patched batch run of verify/lmcache_patchtool_verify/resync_sim.py (see its
+One parametrized test per (version, vLLM) runs every check on one pristine and
+one patched batch run of verify/lmcache_patchtool_verify/resync_sim.py (see its
 docstring for what is real and what is emulated); the checks are those of
-tests/resync (0.5.3).
+tests/resync (0.5.3).  ``test_block_state_port`` runs part 08's checks
+(``_resync_results.check_block_state``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ CONNECTOR = "lmcache/integration/vllm/lmcache_mp_connector.py"
 METADATA = "lmcache/integration/vllm/lmcache_mp_metadata.py"
 
 
+from _resync_results import VLLM_BLOCK_STATE, VLLM_OLD, VLLMS  # noqa: E402
 from _resync_results import bad_stores as _bad_stores  # noqa: E402
+from _resync_results import check_block_state  # noqa: E402
 from _resync_results import divergent_steps as _divergent_steps  # noqa: E402
 from _resync_results import events as _events  # noqa: E402
 
@@ -42,9 +46,11 @@ def _targets(patch: Path) -> set[str]:
             if line.startswith(("--- ", "+++ "))}
 
 
+@pytest.mark.parametrize("vllm", VLLMS)
 @pytest.mark.parametrize("version", VERSIONS)
-def test_resync_port(port_sim, version):
-    pristine_all, patched_all = port_sim(version, "pristine"), port_sim(version, "patched")
+def test_resync_port(port_sim, version, vllm):
+    pristine_all = port_sim(version, "pristine", vllm)
+    patched_all = port_sim(version, "patched", vllm)
 
     # --- the series: 03 touches only the connector and the tracker module.
     (p03,) = [p for p in series(version) if p.name.startswith("03-")]
@@ -56,7 +62,7 @@ def test_resync_port(port_sim, version):
     for scenario in HYBRID:
         pristine = pristine_all["scenarios"][scenario]
         patched = patched_all["scenarios"][scenario]
-        where = f"{version}/{scenario}"
+        where = f"{version}/{scenario}/vllm {vllm}"
 
         # The sequence really contains what the bug is about.
         ev = _events(pristine)
@@ -155,3 +161,17 @@ def test_dcp_guard(port_sim, version):
                           f"(LMCache {version}) refuses decode context parallelism "
                           "(decode_context_parallel_size=2)"), err
     assert "`patchtool revert`" in err and "--decode-context-parallel-size 1" in err
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_block_state_port(port_sim, version):
+    """Part 08: on vLLM 0.33 the lists come from kv_connector_block_state
+    (breaking the reconstruction changes nothing there, breaking the
+    block-state read does), the reconstruction run alongside agrees at every
+    step, an unusable block state refuses the request's chunks; on 0.27.1
+    the step log is revision 2's, step for step."""
+    (p08,) = [p for p in series(version) if p.name.startswith("08-")]
+    assert _targets(p08) == {CONNECTOR, METADATA}
+    check_block_state(port_sim(version, "patched", VLLM_BLOCK_STATE),
+                      port_sim(version, "patched", VLLM_OLD),
+                      port_sim(version, "r2", VLLM_OLD), version)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Drive LMCache's scheduler-side connector with vLLM 0.27.1's REAL block
-management and compare block ids after every step.
+"""Drive LMCache's scheduler-side connector with vLLM's REAL block
+management (0.27.1, or the layer's vLLM) and compare block ids after every step.
 
 Run in the vLLM test env (``scripts/provision_vllm.py``) with
 ``PYTHONPATH=<lmcache overlay>:<vllm target>``; the overlay decides whether
@@ -23,12 +23,44 @@ blocks of finished requests are freed at once (no delayed free).
 Output (``--out``, JSON): per step, the divergences between each tracker's lists
 and ``kv_cache_manager.get_block_ids(req)``, and every STORE LMCache planned
 with what vLLM's lists say about its slots at that moment.
+
+The vLLM version is the layer's (``scripts/provision_vllm.py --vllm X``); the
+block management and ``SchedulerOutput`` are that version's own.  On vLLM
+0.30+ the ``SchedulerOutput`` also carries ``kv_connector_block_state``, built
+here exactly as ``Scheduler.schedule`` builds it (scheduled requests plus
+boundary-state hand-offs, ids resolved on access through
+``KVCacheManager.get_block_ids``), and the connector is bound with
+``bind_kv_cache_manager`` as the Scheduler does.  The scheduling loop stays
+0.27.1's (see above).
+
+Part 08 of the hybrid-fa series (0.30+: the connector takes its lists from
+that block state) is observed through the connector's ``_resync``: per
+scenario, ``resync.source_steps`` (steps that used vLLM's block state vs the
+reconstruction) and, with ``--check``
+(``LMCACHE_PATCHTOOL_RESYNC_CHECK=count``), ``resync.agreement``: the part-03
+reconstruction run alongside and compared with vLLM's lists for every
+scheduled request.
+
+Faults, to show the tests can fail and that part 08 refuses what it cannot
+trust (a batch scenario ``NAME@FAULT`` runs ``NAME`` with one fault; ``--break
+KIND`` breaks every scenario):
+
+* ``break-reconstruction``: the connector's running-delta update appends
+  without the align move rule (as pristine does);
+* ``break-block-state``: the connector reads vLLM's block state one step
+  late (each request's lists as resolved at its previous step);
+* ``vllm-missing-request``: vLLM's block state leaves request A out;
+* ``vllm-group-count``: vLLM's block state has one list fewer than the groups;
+* ``vllm-no-state``: ``kv_connector_block_state`` is None on a 0.30+ vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
+import os
 import sys
 import types
 from typing import Any
@@ -38,6 +70,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched import output as sched_output
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -58,6 +91,67 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 # all-null state chunk.  Pristine builds and the series without 06 store the
 # null block's bytes as the state of such a chunk (merged objects).
 SERVER_SKIPS_NULL_STATE = geometry.server_separates_state_groups()
+
+# vLLM 0.30+: SchedulerOutput.kv_connector_block_state (the Scheduler fills it
+# whenever a connector is configured; no opt-in).
+VLLM_HAS_BLOCK_STATE = "kv_connector_block_state" in getattr(
+    SchedulerOutput, "__dataclass_fields__", {})
+CHECK_ENV = "LMCACHE_PATCHTOOL_RESYNC_CHECK"  # read by part 08 at construction
+BREAKS = ("reconstruction", "block-state")
+VLLM_FAULTS = ("vllm-missing-request", "vllm-group-count", "vllm-no-state")
+FAULTS = tuple(f"break-{b}" for b in BREAKS) + VLLM_FAULTS
+_FAULT: dict[str, str | None] = {"vllm": None}  # set by run_scenario, read by Sim
+
+
+def _vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("vllm")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def inject_break(kind: str):
+    """Fault injection for the tests (``--break``): returns a function that
+    undoes it, or None if the installed connector lacks the code path."""
+    if kind == "reconstruction":
+        tracker = mpc.LMCacheMPRequestTracker
+        original = tracker.__dict__.get("apply_block_id_delta")
+        if original is None:
+            return None
+
+        def append_only(self, new_block_ids, null_block_id):  # noqa: ARG001
+            for g, ids in enumerate(new_block_ids):
+                if ids:
+                    self.allocated_block_ids.setdefault(g, []).extend(ids)
+
+        tracker.apply_block_id_delta = append_only
+        return lambda: setattr(tracker, "apply_block_id_delta", original)
+    if kind == "block-state":
+        resync = getattr(mpc, "_BlockIdResync", None)
+        original = getattr(resync, "resync_block_state", None)
+        if original is None:
+            return None
+
+        previous: dict[str, tuple] = {}
+
+        def one_step_late(self, scheduler_output, get_tracker, trackers):
+            state = scheduler_output.kv_connector_block_state
+            if state is not None:
+                resolve = state.resolve_block_ids
+
+                def stale(rid):
+                    now = tuple(list(ids) for ids in resolve(rid))
+                    return previous.get(rid, now), previous.__setitem__(rid, now)
+
+                scheduler_output = copy.copy(scheduler_output)
+                scheduler_output.kv_connector_block_state = dataclasses.replace(
+                    state, resolve_block_ids=lambda rid: stale(rid)[0])
+            return original(self, scheduler_output, get_tracker, trackers)
+
+        resync.resync_block_state = one_step_late
+        return lambda: setattr(resync, "resync_block_state", original)
+    raise ValueError(kind)
 
 
 class FakeSchedulerAdapter:
@@ -135,7 +229,12 @@ class Sim:
         self.conn = make_connector(self.kv_cache_config, block_size, num_spec, chunk,
                                    groups_kind, dcp=dcp)
         if bind_pool:
-            self.conn.bind_gpu_block_pool(self.mgr.block_pool)
+            if hasattr(self.conn, "bind_kv_cache_manager"):
+                # vLLM 0.30+: what Scheduler.__init__ calls (the base class
+                # binds the pool through bind_gpu_block_pool).
+                self.conn.bind_kv_cache_manager(self.mgr)
+            else:
+                self.conn.bind_gpu_block_pool(self.mgr.block_pool)
         self.hasher = get_request_block_hasher(block_size, sha256)
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -145,6 +244,7 @@ class Sim:
         self.log: list[dict] = []
         self._token = 50_000
         self.finished_ids: set[str] = set()
+        self.vllm_fault: str | None = _FAULT["vllm"]  # one of VLLM_FAULTS (tests)
 
     # ---- requests -------------------------------------------------------
     def add(self, rid: str, prompt_len: int, max_tokens: int) -> None:
@@ -246,7 +346,26 @@ class Sim:
             num_common_prefix_blocks=[0] * self.G, finished_req_ids=set(self.finished_ids),
             free_encoder_mm_hashes=[], preempted_req_ids=preempted)
         self.finished_ids = set()
+        if VLLM_HAS_BLOCK_STATE:
+            # Scheduler.schedule (0.30+): scheduled requests plus those with a
+            # boundary-state hand-off; ids resolved when the connector asks.
+            offloads = self.mgr.take_boundary_state_offloads()
+            ids = set(num_sched)
+            ids.update(rid for rid in offloads if rid in self.requests
+                       and not self.requests[rid].is_finished())
+            resolve = self.mgr.get_block_ids
+            if self.vllm_fault == "vllm-missing-request":
+                ids.discard("A")
+            elif self.vllm_fault == "vllm-group-count":
+                resolve = lambda rid: self.mgr.get_block_ids(rid)[:-1]  # noqa: E731
+            out.kv_connector_block_state = sched_output.KVConnectorBlockState(
+                req_ids=ids, resolve_block_ids=resolve,
+                boundary_state_offloads=offloads)
+            if self.vllm_fault == "vllm-no-state":
+                out.kv_connector_block_state = None
         meta = self.conn.build_connector_meta(out)
+        if VLLM_HAS_BLOCK_STATE:
+            out.kv_connector_block_state = None  # as the Scheduler does
         record = self._check(meta, events, spec)
 
         # _update_after_schedule, then the model "runs" and update_from_output.
@@ -385,6 +504,37 @@ def scenario_plain(num_spec: int) -> Sim:
     return sim
 
 
+def resync_summary(sim: Sim) -> dict | None:
+    """What part 08 recorded (None for connectors without it)."""
+    resync = getattr(sim.conn, "_resync", None)
+    if resync is None or not hasattr(resync, "source_steps"):
+        return None
+    return {"source_steps": dict(resync.source_steps),
+            "agreement": copy.deepcopy(resync.agreement)}
+
+
+def run_scenario(spec: str) -> dict:
+    """``NAME`` or ``NAME@FAULT`` (see the module docstring)."""
+    name, _, fault = spec.partition("@")
+    undo, applied = None, None
+    if fault.startswith("break-"):
+        undo = inject_break(fault[len("break-"):])
+        applied = undo is not None
+    elif fault:
+        if fault not in VLLM_FAULTS:
+            raise ValueError(f"unknown fault {fault!r}")
+        applied = VLLM_HAS_BLOCK_STATE
+    _FAULT["vllm"] = fault if fault in VLLM_FAULTS else None
+    try:
+        sim = SCENARIOS[name]()
+    finally:
+        _FAULT["vllm"] = None
+        if undo is not None:
+            undo()
+    return {"scenario": spec, "steps": sim.log, "patched": hasattr(mpc, "_BlockIdResync"),
+            "resync": resync_summary(sim), "fault": fault or None, "fault_applied": applied}
+
+
 SCENARIOS = {
     "hybrid": lambda: scenario_hybrid(True),
     "hybrid-nopool": lambda: scenario_hybrid(False),
@@ -420,18 +570,29 @@ def main() -> int:
                     help="batch: comma-separated scenario names")
     ap.add_argument("--construct-dcp", default="",
                     help="batch: comma-separated dcp sizes to try constructing with")
+    ap.add_argument("--check", action="store_true",
+                    help=f"set {CHECK_ENV}=count: part 08 runs the reconstruction "
+                    "alongside vLLM's block state and counts disagreements")
+    ap.add_argument("--break", dest="breaks", action="append", default=[], choices=BREAKS,
+                    help="inject a fault (tests only; see the module docstring)")
     args = ap.parse_args()
     patched = hasattr(mpc, "_BlockIdResync")
+    if args.check:
+        os.environ[CHECK_ENV] = "count"
+    applied = {kind: inject_break(kind) is not None for kind in args.breaks}
+    env = {"vllm": _vllm_version(), "vllm_has_block_state": VLLM_HAS_BLOCK_STATE,
+           "check": args.check, "breaks": applied}
     if args.scenario == "batch":
         names = [n for n in args.scenarios.split(",") if n]
-        unknown = sorted(set(names) - set(SCENARIOS))
+        unknown = sorted({n for n in names if n.partition("@")[0] not in SCENARIOS
+                          or n.partition("@")[2] not in ("",) + FAULTS})
         if unknown:
             ap.error(f"unknown scenarios {unknown}")
-        result: dict[str, Any] = {"patched": patched, "scenarios": {}, "construct": []}
+        result: dict[str, Any] = {"patched": patched, "scenarios": {}, "construct": [],
+                                  **env}
         for name in names:
             print(f"=== scenario {name}", file=sys.stderr, flush=True)
-            result["scenarios"][name] = {"scenario": name, "steps": SCENARIOS[name]().log,
-                                         "patched": patched}
+            result["scenarios"][name] = run_scenario(name)
         for dcp in (int(d) for d in args.construct_dcp.split(",") if d):
             print(f"=== construct dcp={dcp}", file=sys.stderr, flush=True)
             result["construct"].append(construct_only(dcp))
@@ -440,12 +601,10 @@ def main() -> int:
         return 0
     if args.scenario == "construct":
         with open(args.out, "w") as fh:
-            json.dump(dict(construct_only(args.dcp), patched=patched), fh, indent=1)
+            json.dump(dict(construct_only(args.dcp), patched=patched, **env), fh, indent=1)
         return 0
-    sim = SCENARIOS[args.scenario]()
     with open(args.out, "w") as fh:
-        json.dump({"scenario": args.scenario, "steps": sim.log,
-                   "patched": patched}, fh, indent=1)
+        json.dump({**run_scenario(args.scenario), **env}, fh, indent=1)
     return 0
 
 
