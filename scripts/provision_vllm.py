@@ -73,12 +73,16 @@ LIGHT_DEPS = [
     "xgrammar>=0.2.1,<1.0.0",  # --no-deps: its triton dependency is ~1 GB
     "apache-tvm-ffi==0.1.11",
 ]
-# Per-version additions: vLLM 0.33.0's connector path imports partial_json_parser.
-EXTRA_DEPS: dict[str, list[str]] = {"0.33.0": ["partial-json-parser"]}
+# Per-version additions: the connector path of vLLM 0.30.0 and 0.33.0 imports
+# partial_json_parser, and 0.30.0's Scheduler path imports einops (through
+# vllm/v1/attention/ops/vit_attn_wrappers.py); 0.28.0 needs neither.
+# 0.31/0.32 are not provisioned here.
+EXTRA_DEPS: dict[str, list[str]] = {"0.30.0": ["partial-json-parser", "einops"],
+                                    "0.33.0": ["partial-json-parser"]}
 
 PROBE = (
     "import vllm.v1.core.kv_cache_manager, vllm.v1.core.single_type_kv_cache_manager, "
-    "vllm.v1.core.sched.output, vllm.v1.request, "
+    "vllm.v1.core.sched.output, vllm.v1.core.sched.scheduler, vllm.v1.request, "
     "lmcache.integration.vllm.lmcache_mp_connector"
 )
 
@@ -174,6 +178,17 @@ def layer_path(lmcache_version: str = LMCACHE_VERSION, vllm: str | None = None) 
     return provision.cache_root() / "envs" / f"vllm-{vllm_version(vllm)}-layer-lmcache-{lmcache_version}"
 
 
+def _missing_extras(dest: Path, vv: str) -> list[str]:
+    """EXTRA_DEPS[vv] entries a finished layer's stamp does not list (a layer
+    built before they were added is rebuilt)."""
+    try:
+        have = json.loads((dest / provision.STAMP).read_text()).get("light_deps", [])
+    except (OSError, ValueError):
+        return []
+    names = {_canon(_NAME.match(d).group(1)) for d in have if _NAME.match(d)}
+    return [d for d in EXTRA_DEPS.get(vv, []) if _canon(_NAME.match(d).group(1)) not in names]
+
+
 def vllm_layer(lmcache_version: str = LMCACHE_VERSION, vllm: str | None = None) -> Path:
     """Build once and return the ``--target`` directory with vLLM + light deps
     for ``lmcache_version``'s runtime env (vLLM ``vllm``, else ``$LMCACHE_PATCHTOOL_VLLM``,
@@ -181,7 +196,7 @@ def vllm_layer(lmcache_version: str = LMCACHE_VERSION, vllm: str | None = None) 
     vv = vllm_version(vllm)
     dest = layer_path(lmcache_version, vv)
     with provision._locked(dest.name):
-        if (dest / provision.STAMP).exists():
+        if (dest / provision.STAMP).exists() and not _missing_extras(dest, vv):
             return dest
         started = time.monotonic()
         steps = provision.Steps(f"vllm {vv} layer {lmcache_version}", 4)

@@ -1,8 +1,9 @@
 """Fixtures for the scheduler-faithful simulation (issue 11, item 1):
 ``verify/lmcache_patchtool_verify/sched_sim.py`` run in an LMCache version's
-runtime venv with ``PYTHONPATH = <lmcache overlay>:<vLLM 0.27.1 layer>:verify``.
+runtime venv with ``PYTHONPATH = <lmcache overlay>:<vLLM X layer>:verify`` (X =
+0.27.1 unless a test asks for another; issue 13).
 
-One CLI run per (version, build) yields every scenario of the set (one import
+One CLI run per (version, build, vLLM) yields every scenario of the set (one import
 of vLLM and LMCache per run: ~15 s), cached for the session.
 
 Builds: ``pristine`` (the wheel), ``patched`` (the hybrid-fa series as git
@@ -29,9 +30,11 @@ VERIFY = REPO / "verify"
 SIM = ["-m", "lmcache_patchtool_verify.sched_sim"]  # verify/ on PYTHONPATH
 
 
-# file-name prefixes of the parts hybrid-fa revision 2 added that change the
-# connector's or server's behaviour here (05, keys only, is inert for the sim)
-R2_PARTS = ("06-", "07-")
+# file-name prefixes of the parts added after part 03 revision 1 that change
+# the connector's or server's behaviour here (revision 2: 06, 07; revision 3:
+# 08, which reads vLLM 0.30+'s block state; 05, keys only, is inert for the
+# sim).  r1 = the series without them.
+R2_PARTS = ("06-", "07-", "08-")
 
 
 def tracked_series(version: str) -> list[Path]:
@@ -47,13 +50,16 @@ def tracked_series(version: str) -> list[Path]:
 
 @pytest.fixture(scope="session")
 def sched_run(tmp_path_factory) -> Callable[..., dict[str, dict[str, Any]]]:
-    """``sched_run(version, build, scenarios="ci")`` -> {scenario name: result}."""
+    """``sched_run(version, build, scenarios="ci", vllm="0.27.1")`` -> {scenario name:
+    result}: the simulation in ``version``'s runtime venv over the vLLM ``vllm``
+    layer (scripts/provision_vllm.py), with that vLLM's own scheduler features."""
     import provision_vllm  # scripts/ is on sys.path (tests/conftest.py)
 
-    cache: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+    cache: dict[tuple[str, str, str, str], dict[str, dict[str, Any]]] = {}
 
-    def run(version: str, build: str, scenarios: str = "ci") -> dict[str, dict[str, Any]]:
-        key = (version, build, scenarios)
+    def run(version: str, build: str, scenarios: str = "ci",
+            vllm: str = "0.27.1") -> dict[str, dict[str, Any]]:
+        key = (version, build, scenarios, vllm)
         if key in cache:
             return cache[key]
         patches = tracked_series(version) if build in ("patched", "r1") else None
@@ -62,9 +68,10 @@ def sched_run(tmp_path_factory) -> Callable[..., dict[str, dict[str, Any]]]:
         if patches is not None and not any(p.name.startswith("03-") for p in patches):
             pytest.fail(f"no tracked 03 patch for {version}")
         overlay = provision.overlay(version, patches)
-        layer = provision_vllm.vllm_layer(version)
-        python = provision.runtime_env(version) / "bin" / "python"
-        out = tmp_path_factory.mktemp("sched") / f"{version}-{build}.json"
+        layer = provision_vllm.vllm_layer(version, vllm=vllm)
+        stamp = json.loads((layer / provision.STAMP).read_text())
+        python = Path(stamp.get("runtime_env") or provision.runtime_env(version)) / "bin" / "python"
+        out = tmp_path_factory.mktemp("sched") / f"{version}-{build}-{vllm}.json"
         env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{VERIFY}",
                    LMCACHE_DISABLE_BANNER="1")
         args = [a for s in scenarios.split(",") for a in ("--scenario", s)]
@@ -76,6 +83,7 @@ def sched_run(tmp_path_factory) -> Callable[..., dict[str, dict[str, Any]]]:
         assert proc.returncode == 0, proc.stderr[-4000:]
         results = {r["scenario"]: r for r in json.loads(out.read_text())}
         for r in results.values():
+            assert r["vllm_version"] == vllm, "wrong vLLM layer on the path"
             if r.get("constructed"):
                 assert r["patched"] == (build != "pristine"), "wrong lmcache on the path"
             r["stderr_tail"] = proc.stderr[-2000:]

@@ -31,7 +31,11 @@ runtime venv (see tests/sched/conftest.py); ``--json`` / ``--markdown``.
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
+import os
+import re
 import sys
 import types
 from dataclasses import asdict, dataclass, field, replace
@@ -40,7 +44,15 @@ from typing import Any, Callable
 from .sched_server import FakeServer, ServerRules
 from .sched_truth import Digests, StepInput, Truth, cdiv
 
-N = 544  # Qwen3.5-0.8B / Qwen3-Next at TP 1-2 (vllm-geometry.md §1.3)
+N = 544  # Qwen3.5-0.8B / Qwen3-Next at TP 1-2 (vllm-geometry.md §1.3); see set_block_size
+# vLLM 0.33's FlashInfer GDN prefill (the Hopper default) exports prefill
+# checkpoints and the platform rounds the align-mode block to a multiple of its
+# 64-token checkpoint alignment: 576 for the same Qwen3.5-0.8B-like model.
+N_FLASHINFER_GDN = 576
+# The Qwen GDN layer turns prefill checkpoint blocks on (MambaSpec
+# num_prefill_checkpoint_blocks = 1, FlashInfer prefill) from this vLLM on;
+# 0.30-0.32's MambaManager has the mechanism but Qwen GDN leaves it off.
+GDN_CHECKPOINT_BLOCKS_SINCE = "0.33.0"
 ACCEPT_PATTERN = (2, 0, 1, 2, 2, 1)  # drafts accepted per spec-decode step, cycled
 PREEMPT_SLACK_BLOCKS = 12  # pool = the first request's FA blocks + this
 
@@ -99,48 +111,128 @@ def _scenarios() -> dict[str, Scenario]:
 SCENARIOS = _scenarios()
 
 
-# --------------------------------------------------------------------- vLLM side
-def _vllm_config_class() -> type:
-    """Stand-in for ``VllmConfig``: the fields the Scheduler and the connector
-    read; derived values use ``VllmConfig``'s own property code.  (Built on
-    demand so this module imports without vLLM, for ``--from-json``.)"""
-    from vllm.config import VllmConfig  # noqa: PLC0415
+def set_block_size(n: int) -> None:
+    """The logical block size N (scenarios are defined in multiples of it)."""
+    global N, SCENARIOS  # noqa: PLW0603
+    N = n
+    SCENARIOS = _scenarios()
 
-    return type("VllmConfigStandIn", (types.SimpleNamespace,), {
-        "max_concurrent_batches": VllmConfig.max_concurrent_batches,
-        "max_in_flight_tokens": VllmConfig.max_in_flight_tokens,
-        "num_speculative_tokens": VllmConfig.num_speculative_tokens,
-    })
+
+# --------------------------------------------------------------------- vLLM side
+def vllm_version() -> str:
+    """The vLLM on the path (its distribution metadata, else ``vllm.__version__``)."""
+    try:
+        from importlib.metadata import version  # noqa: PLC0415
+
+        return version("vllm")
+    except Exception:  # noqa: BLE001
+        import vllm  # noqa: PLC0415
+
+        return str(getattr(vllm, "__version__", "?"))
+
+
+def vllm_at_least(v: str) -> bool:
+    def key(x: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in re.findall(r"\d+", x)[:3])
+
+    return key(vllm_version()) >= key(v)
+
+
+def vllm_features(checkpoint_blocks: str = "auto") -> dict[str, Any]:
+    """What the installed vLLM has, and which of it this run turns on.
+
+    ``checkpoint_blocks``: auto (on where the Qwen GDN layer turns them on,
+    vLLM >= GDN_CHECKPOINT_BLOCKS_SINCE), on, off."""
+    import dataclasses  # noqa: PLC0415
+
+    from vllm.v1.core.sched.output import SchedulerOutput  # noqa: PLC0415
+    from vllm.v1.kv_cache_interface import MambaSpec  # noqa: PLC0415
+
+    has_ckpt = "num_prefill_checkpoint_blocks" in {f.name for f in dataclasses.fields(MambaSpec)}
+    if checkpoint_blocks == "auto":
+        on = has_ckpt and vllm_at_least(GDN_CHECKPOINT_BLOCKS_SINCE)
+    else:
+        on = checkpoint_blocks == "on"
+        if on and not has_ckpt:
+            raise SystemExit(f"vLLM {vllm_version()} has no prefill checkpoint blocks")
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: PLC0415
+            KVConnectorBase_V1)
+        bind = hasattr(KVConnectorBase_V1, "bind_kv_cache_manager")
+    except ImportError:
+        bind = False
+    return {"vllm": vllm_version(), "checkpoint_blocks": on,
+            "has_checkpoint_blocks": has_ckpt,
+            "kv_connector_block_state": "kv_connector_block_state" in {
+                f.name for f in dataclasses.fields(SchedulerOutput)},
+            "bind_kv_cache_manager": bind}
+
+
+def _stand_in(cls: type, name: str, given: set[str]) -> type:
+    """A namespace type carrying ``cls``'s own properties and methods (so
+    derived values use the installed vLLM's code), minus the fields given."""
+    members = {k: v for k, v in vars(cls).items()
+               if not k.startswith("__") and k not in given
+               and (isinstance(v, (property, functools.cached_property))
+                    or inspect.isfunction(v))}
+    return type(name, (types.SimpleNamespace,), members)
+
+
+def _make(cls: type, name: str, **fields: Any) -> Any:
+    """An instance of ``_stand_in(cls)``: ``fields``, plus the class's own
+    plain field defaults (dataclass configs) for the fields not given."""
+    import dataclasses  # noqa: PLC0415
+
+    defaults = {}
+    if dataclasses.is_dataclass(cls):
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)
+                    if f.default is not dataclasses.MISSING and f.name not in fields}
+    return _stand_in(cls, name, set(fields) | set(defaults))(**defaults, **fields)
 
 
 def build_vllm_config(sc: Scenario, num_blocks: int, max_model_len: int) -> Any:
-    from vllm.config import CacheConfig, SchedulerConfig  # noqa: PLC0415
+    """The installed vLLM's SchedulerConfig/CacheConfig (real) in a stand-in
+    ``VllmConfig`` (a real one cannot be built on a CPU-only machine) whose
+    properties are ``VllmConfig``'s own.  Built on demand so this module
+    imports without vLLM (``--from-json``)."""
+    from vllm.config import CacheConfig, SchedulerConfig, VllmConfig  # noqa: PLC0415
 
     extra: dict[str, Any] = {"lmcache.mp.save_decode_cache": True}
     ktc = types.SimpleNamespace(
         kv_connector_extra_config=extra,
         get_from_extra_config=lambda key, default: extra.get(key, default),
-        is_kv_producer=True, is_kv_consumer=False, kv_load_failure_policy="recompute")
+        is_kv_producer=True, is_kv_consumer=False, kv_load_failure_policy="recompute",
+        kv_connector="LMCacheMPConnector", kv_role="kv_both", is_kv_transfer_instance=True)
     sched = SchedulerConfig(max_num_batched_tokens=sc.max_batched, max_num_seqs=8,
                             max_model_len=max_model_len, is_encoder_decoder=False,
                             enable_chunked_prefill=True,
                             long_prefill_token_threshold=sc.long_prefill)
     cache = CacheConfig(block_size=N, mamba_cache_mode="align", enable_prefix_caching=True)
     cache.num_gpu_blocks = num_blocks
+    for f in ("hash_block_size", "cache_hit_alignment_tokens", "mamba_block_size"):
+        if hasattr(cache, f):  # set by the platform/model on a real engine (0.30+)
+            setattr(cache, f, N)
     spec = None
     if sc.num_spec:
-        # Qwen3.5's MTP head: an "eagle-style" method (SpeculativeConfig.use_eagle).
-        spec = types.SimpleNamespace(
-            num_speculative_tokens=sc.num_spec, num_speculative_tokens_per_batch_size=None,
-            method="mtp", use_eagle=lambda: True, uses_draft_model=lambda: False,
-            use_dflash=lambda: False, use_dspark=lambda: False)
-    return _vllm_config_class()(
+        # Qwen3.5's MTP head (one MTP layer): an "eagle-style" method; the
+        # installed SpeculativeConfig's own methods (use_eagle, block drop, ...).
+        from vllm.config import SpeculativeConfig  # noqa: PLC0415
+
+        spec = _make(SpeculativeConfig, "SpeculativeConfigStandIn",
+                     num_speculative_tokens=sc.num_spec,
+                     num_speculative_tokens_per_batch_size=None, method="mtp",
+                     disable_eagle_block_drop=False, disable_lookahead_block_hashes=False,
+                     draft_model_config=types.SimpleNamespace(
+                         hf_config=types.SimpleNamespace(num_nextn_predict_layers=1)))
+    return _make(
+        VllmConfig, "VllmConfigStandIn",
         scheduler_config=sched, cache_config=cache, speculative_config=spec,
         kv_transfer_config=ktc, lora_config=None, kv_events_config=None,
         ec_transfer_config=None, diffusion_config=None, use_v2_model_runner=False,
+        aux_output_config=types.SimpleNamespace(enabled=False),
         observability_config=types.SimpleNamespace(
-            kv_cache_metrics=False, enable_mfu_metrics=False,
-            enable_logging_iteration_details=False),
+            kv_cache_metrics=False, enable_mfu_metrics=False, kv_cache_metrics_sample=0.0,
+            enable_logging_iteration_details=False, per_request_spec_decode_metrics=False),
         ec_manager_config=types.SimpleNamespace(get_encoder_cache_manager_obj=lambda: None),
         parallel_config=types.SimpleNamespace(
             world_size=1, rank=0, tensor_parallel_size=1, pipeline_parallel_size=1,
@@ -149,22 +241,36 @@ def build_vllm_config(sc: Scenario, num_blocks: int, max_model_len: int) -> Any:
         model_config=types.SimpleNamespace(
             model="sched-sim", use_mla=False, is_hybrid=True, is_encoder_decoder=False,
             is_diffusion=False, is_multimodal_model=False, max_model_len=max_model_len,
-            enable_return_routed_experts=False),
+            enable_return_routed_experts=False, uses_mrope=False, return_sampling_mask=False,
+            runner_type="generate", supports_multimodal_inputs=False, multimodal_config=None),
     )
 
 
-def build_kv_cache_config(num_blocks: int, num_spec: int):
+def build_kv_cache_config(num_blocks: int, num_spec: int, checkpoint_blocks: bool = False):
     import torch  # noqa: PLC0415
     from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
         FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec)
 
     fa = FullAttentionSpec(block_size=N, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    # vLLM 0.33+ Qwen GDN on FlashInfer: one prefill checkpoint block, its
+    # alignment the prefix-cache grid (get_mamba_prefill_checkpoint_grid:
+    # the Mamba block size when prefix_match_unit is unset).
+    ckpt = ({"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": N}
+            if checkpoint_blocks else {})
     mb = MambaSpec(block_size=N, shapes=((16,),), dtypes=(torch.float16,),
-                   mamba_cache_mode="align", num_speculative_blocks=num_spec)
+                   mamba_cache_mode="align", num_speculative_blocks=num_spec, **ckpt)
     # Qwen3.5-like: two Mamba groups first, one FA group, one shared pool.
     groups = [KVCacheGroupSpec(["ssm0"], mb), KVCacheGroupSpec(["ssm1"], mb),
               KVCacheGroupSpec(["attn0"], fa)]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _structured_output_manager(cfg: Any) -> Any:
+    """No request uses structured output: the installed manager's own methods
+    (they return early for such requests) on a stand-in without a backend."""
+    from vllm.v1.structured_output import StructuredOutputManager  # noqa: PLC0415
+
+    return _make(StructuredOutputManager, "StructuredOutputManagerStandIn", vllm_config=cfg)
 
 
 class FakeSchedulerAdapter:
@@ -252,10 +358,37 @@ class Phase1:
     store_ops: int = 0
     spec_steps: int = 0  # steps of a request with drafts scheduled
     drafts_accepted: dict[int, int] = field(default_factory=dict)  # accepted -> count
+    block_copies: int = 0  # kv_cache_block_copies the worker ran (CoW)
+
+
+@dataclass
+class Divergence:
+    """Per step, the connector's tracked block ids against vLLM's."""
+
+    steps: int = 0
+    compared: int = 0  # (step, request) pairs compared with the manager's lists
+    compared_block_state: int = 0  # ... with kv_connector_block_state (0.30+)
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, kind: str, step: int, rid: str, tracked: Any, vllm: Any) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if len(self.examples) < 8:
+            self.examples.append({"kind": kind, "step": step, "req": rid,
+                                  "tracked": tracked, "vllm": vllm})
+
+    def summary(self) -> dict[str, Any]:
+        return {"divergence_steps": self.steps, "divergence_compared": self.compared,
+                "divergence_compared_block_state": self.compared_block_state,
+                "divergences": self.counts.get("manager", 0)
+                + self.counts.get("block_state", 0),
+                "divergence_counts": dict(self.counts),
+                "divergence_examples": self.examples}
 
 
 class Sim:
-    def __init__(self, sc: Scenario, objects: str = "auto", server: FakeServer | None = None):
+    def __init__(self, sc: Scenario, objects: str = "auto", server: FakeServer | None = None,
+                 checkpoint_blocks: str = "auto"):
         """``server``: a modelled LMCache server filled by an earlier Sim (a
         restart: fresh vLLM, same LMCache); lookups then hit it, RETRIEVE ops
         load from it, and this Sim's own stores are not added to it."""
@@ -278,13 +411,22 @@ class Sim:
         self.phase = Phase1()
         self._wrap_refusals()
         cfg = build_vllm_config(sc, num_blocks, self.max_model_len)
-        kvc = build_kv_cache_config(num_blocks, sc.num_spec)
-        self.scheduler = Scheduler(cfg, kvc, types.SimpleNamespace(
-            should_advance=lambda *a, **k: False), block_size=N, hash_block_size=N)
+        self.ckpt_mode = checkpoint_blocks
+        self.features = vllm_features(checkpoint_blocks)
+        # Part 08 (vLLM 0.30+ reads kv_connector_block_state): also run part
+        # 03's reconstruction alongside and count where it disagrees with
+        # vLLM's lists (its opt-in agreement check; ignored by other builds).
+        os.environ.setdefault("LMCACHE_PATCHTOOL_RESYNC_CHECK", "count")
+        kvc = build_kv_cache_config(num_blocks, sc.num_spec, self.features["checkpoint_blocks"])
+        self.scheduler = Scheduler(cfg, kvc, _structured_output_manager(cfg),
+                                   block_size=N, hash_block_size=N)
         self.conn = self.scheduler.connector
+        self.divergence = Divergence()
+        self._wrap_build_meta()
         self.hasher = get_request_block_hasher(N, sha256)
         self.mamba_groups, self.fa_groups = [0, 1], [2]
-        self.truth = Truth(N, self.mamba_groups, self.fa_groups, sc.num_spec)
+        self.truth = Truth(N, self.mamba_groups, self.fa_groups, sc.num_spec,
+                           checkpoints=self._checkpoint_fn(cfg, kvc))
         self.server = server or FakeServer(N, sc.chunk, self.mamba_groups, self.fa_groups,
                                            server_rules(objects))
         self.digests = Digests()
@@ -294,6 +436,92 @@ class Sim:
         self._sending: set[str] = set()
         self.first_computed: dict[str, int] = {}  # num_computed_tokens when first scheduled
         self.retrieves: list[tuple[str, int, int]] = []
+
+    def _checkpoint_fn(self, cfg: Any, kvc: Any) -> Callable[[int, int], tuple[int, int]] | None:
+        """The worker's internal prefill checkpoints (vLLM 0.33+, checkpoint
+        blocks on): vLLM's own ``compute_mamba_prefill_checkpoints`` with the
+        arguments ``MambaPrefillCheckpointBuilder.build`` passes, for one row
+        ``(seq_len, query_len)`` -> ``(position, block column)``, (0, -1): none."""
+        spec = kvc.kv_cache_groups[self.mamba_groups[0]].kv_cache_spec
+        if not getattr(spec, "num_prefill_checkpoint_blocks", 0):
+            return None
+        from vllm.model_executor.layers.mamba.checkpoint import (  # noqa: PLC0415
+            compute_mamba_prefill_checkpoints)
+
+        sp = cfg.speculative_config
+        drop = bool(sp is not None and sp.use_eagle_block_drop()
+                    and not cfg.num_hash_lookahead_tokens)
+        cache = cfg.cache_config
+
+        def fn(seq_len: int, query_len: int) -> tuple[int, int]:
+            offs, cols = compute_mamba_prefill_checkpoints(
+                [seq_len], [query_len], hash_block_size=cache.hash_block_size,
+                mamba_block_size=spec.block_size,
+                checkpoint_alignment=spec.prefill_checkpoint_alignment,
+                drop_eagle_block=drop,
+                cache_hit_alignment_tokens=cache.cache_hit_alignment_tokens,
+                num_hash_lookahead_tokens=cfg.num_hash_lookahead_tokens)
+            return (seq_len - query_len + offs[0], cols[0]) if offs[0] else (0, -1)
+
+        return fn
+
+    # ---- divergence: the connector's tracked ids vs vLLM's -----------------
+    def _wrap_build_meta(self) -> None:
+        """Right after the connector plans a step (``build_connector_meta``,
+        inside ``schedule()``, where part 03 resyncs), compare the block ids
+        each tracker holds with vLLM's own lists: the KVCacheManager's
+        ``get_block_ids`` and, on vLLM 0.30+, the step's
+        ``kv_connector_block_state`` (the Scheduler clears it once the
+        connector has planned, so it is read here)."""
+        conn = self.conn
+        if conn is None:
+            return
+        orig = conn.build_connector_meta
+
+        def build_connector_meta(scheduler_output: Any) -> Any:
+            meta = orig(scheduler_output)
+            self._compare_block_ids(getattr(scheduler_output, "kv_connector_block_state", None))
+            return meta
+
+        conn.build_connector_meta = build_connector_meta
+
+    def resync_check(self) -> dict[str, Any]:
+        """Part 08's agreement check and id source, when the connector has them:
+        ``reconstruction_disagreements`` (part 03's reconstruction vs vLLM's
+        lists, every step on 0.30+) and ``resync_source_steps``."""
+        rs = getattr(self.conn, "_resync", None)
+        agreement = getattr(rs, "agreement", None)
+        out: dict[str, Any] = {"resync_source_steps": dict(getattr(rs, "source_steps", None) or {})}
+        if agreement:
+            out["reconstruction_check"] = {k: agreement.get(k) for k in
+                                           ("check", "steps", "requests", "disagreements")}
+            out["reconstruction_disagreements"] = agreement.get("disagreements") or 0
+            out["reconstruction_examples"] = list(agreement.get("examples") or ())[:3]
+        return out
+
+    def _compare_block_ids(self, block_state: Any) -> None:
+        d = self.divergence
+        d.steps += 1
+        trackers = getattr(self.conn, "request_trackers", None) or {}
+        for rid, tracker in trackers.items():
+            vllm_lists = self._sched_lists(rid)
+            if vllm_lists is None:
+                continue  # finished or not allocated: nothing to compare
+            tracked = [list(tracker.allocated_block_ids.get(g, ()))
+                       for g in range(len(vllm_lists))]
+            d.compared += 1
+            if tracked != vllm_lists:
+                d.add("manager", self.phase.steps, rid, tracked, vllm_lists)
+            if block_state is not None:
+                state = block_state.get_block_ids(rid)
+                if state is None:
+                    continue  # not scheduled this step: not offered
+                state = [list(g) for g in state]
+                d.compared_block_state += 1
+                if tracked != state:
+                    d.add("block_state", self.phase.steps, rid, tracked, state)
+                if state != vllm_lists:
+                    d.add("block_state_vs_manager", self.phase.steps, rid, state, vllm_lists)
 
     def _lookup(self, tokens: list[int]) -> int:
         return self.server.hit(Digests().of("lookup", tokens))[0]
@@ -359,6 +587,13 @@ class Sim:
         # (all of them: stores are read at the end of their step here), so
         # blocks the connector asked to keep (delay_free_blocks) are freed.
         sending, self._sending = self._sending, set()
+        # The worker's _update_states: zero freshly allocated attention blocks
+        # (needs_kv_cache_zeroing: every Mamba hybrid) and run the queued
+        # block copies, before the connector loads and the forward.
+        self.truth.zero(getattr(so, "new_block_ids_to_zero", None) or ())
+        for cp in getattr(so, "kv_cache_block_copies", None) or ():
+            self.truth.copy(cp.src_block_id, cp.dst_block_id)
+            self.phase.block_copies += 1
         meta = getattr(so, "kv_connector_metadata", None)
         recving: set[str] = set()
         for m in getattr(meta, "requests", ()) or ():
@@ -518,7 +753,7 @@ def restart_and_load(sim: Sim, name: str, tokens: list[int]) -> dict[str, Any]:
     rid = f"Q{name}"
     sc = replace(sim.sc, max_tokens=1, preempt=False)
     try:
-        sim2 = Sim(sc, server=sim.server)
+        sim2 = Sim(sc, server=sim.server, checkpoint_blocks=sim.ckpt_mode)
         sim2.add(rid, tokens, 1)
         sim2.run()
     except (AssertionError, RuntimeError) as exc:  # vLLM or the connector gave up
@@ -526,22 +761,38 @@ def restart_and_load(sim: Sim, name: str, tokens: list[int]) -> dict[str, Any]:
     return {"vllm_start_tokens": sim2.first_computed.get(rid, 0),
             "loaded_tokens": sum(e - s for r, s, e in sim2.retrieves if r == rid),
             "restored_state_ok": sim2.truth.restored.get(rid),
+            **{k: v for k, v in sim2.divergence.summary().items()
+               if k in ("divergences", "divergence_counts", "divergence_examples")},
+            **sim2.resync_check(),
             "model_inconsistencies": sim2.truth.inconsistencies[:5]}
 
 
-def run_scenario(sc: Scenario, objects: str = "auto") -> dict[str, Any]:
+def run_scenario(sc: Scenario, objects: str = "auto",
+                 checkpoint_blocks: str = "auto") -> dict[str, Any]:
     base: dict[str, Any] = {"scenario": sc.name, **asdict(sc), "chunk": sc.chunk,
-                            "max_num_batched_tokens": sc.max_batched}
+                            "block_size": N, "max_num_batched_tokens": sc.max_batched,
+                            "vllm_version": vllm_version()}
     try:
-        sim = Sim(sc, objects)
+        sim = Sim(sc, objects, checkpoint_blocks=checkpoint_blocks)
     except ValueError as exc:  # the connector refuses this config (0.5.3's step rule)
-        return {**base, "constructed": False, "error": f"{type(exc).__name__}: {exc}"}
+        return {**base, "constructed": False, "refuses_config": True,
+                "error": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # noqa: BLE001  the connector cannot be built on this vLLM
+        import traceback  # noqa: PLC0415
+
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return {**base, "constructed": False, "refuses_config": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "error_at": f"{where.filename.rsplit('/', 3)[-1]}:{where.lineno}"}
     first = list(range(1000, 1000 + sc.prompt))
     sim.add("A", first, sc.max_tokens)
     if sc.preempt:
         sim.add("B", list(range(500_000, 500_000 + 4 * N)), 6 * N)
     sim.run()
     res = {**base, "constructed": True, "patched": sim.patched, "steps": sim.phase.steps,
+           "features": sim.features, "block_copies": sim.phase.block_copies,
+           "checkpoint_writes": sim.truth.checkpoint_writes,
+           **sim.divergence.summary(), **sim.resync_check(),
            # vLLM's own asserts run only without ``python -O``.
            "asserts_enabled": __debug__,
            "mamba_blocks_read_per_chunk": sim.server.rules.mamba_keep_blocks(sc.chunk_blocks),
@@ -561,6 +812,12 @@ def run_scenario(sc: Scenario, objects: str = "auto") -> dict[str, Any]:
     res["wrong_state_restores"] = sum(v.get("restore", {}).get("restored_state_ok") is False
                                       for v in res["second"].values())
     res["restore_errors"] = sum("error" in v.get("restore", {}) for v in res["second"].values())
+    # Divergences of the restarted runs (their connector tracks the loaded requests).
+    res["restore_divergences"] = sum(v.get("restore", {}).get("divergences", 0)
+                                     for v in res["second"].values())
+    res["restore_reconstruction_disagreements"] = sum(
+        v.get("restore", {}).get("reconstruction_disagreements", 0)
+        for v in res["second"].values())
     return res
 
 
@@ -590,7 +847,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
             f", decode {r['max_tokens']}" if r.get("max_tokens", 1) > 1 else "")
         build = r.get("build", "?") + (" (separate objects)"
                                         if r.get("objects") == "separate" else "")
-        cols = [r.get("version", "?"), build, sched,
+        version = r.get("version", "?") + (f" @ vLLM {r['vllm_version']}"
+                                           if r.get("vllm_version", "0.27.1") != "0.27.1" else "")
+        cols = [version, build, sched,
                 f"{r['chunk_blocks']}N", str(r["prompt"])]
         if not r.get("constructed"):
             rows.append("| " + " | ".join(cols + ["connector refuses config", "-", "-", "-", "-"])
@@ -617,6 +876,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build", default="?", help="label: pristine / patched-r1 / ...")
     ap.add_argument("--objects", choices=("auto", "merged", "separate"), default="auto",
                     help="server object groups (auto: what the installed server does)")
+    ap.add_argument("--checkpoint-blocks", choices=("auto", "on", "off"), default="auto",
+                    help="vLLM prefill checkpoint blocks (auto: on from vLLM "
+                         f"{GDN_CHECKPOINT_BLOCKS_SINCE}, as Qwen GDN on FlashInfer turns them on)")
+    ap.add_argument("--block-size", default="auto",
+                    help=f"logical block N (auto: {N_FLASHINFER_GDN} with checkpoint blocks, "
+                         f"the FlashInfer GDN rounding; else {N})")
     ap.add_argument("--list", action="store_true", help="list scenario names")
     ap.add_argument("--from-json", nargs="+", metavar="FILE",
                     help="render the markdown table of earlier --out files (no vLLM needed)")
@@ -629,6 +894,10 @@ def main(argv: list[str] | None = None) -> int:
         for s in SCENARIOS.values():
             print(s.name + ("  (full only)" if s.full_only else ""))
         return 0
+    features = vllm_features(args.checkpoint_blocks)
+    set_block_size(int(args.block_size) if args.block_size != "auto"
+                   else N_FLASHINFER_GDN if features["checkpoint_blocks"] else N)
+    print(f"vLLM {features['vllm']}: N = {N}, features {features}", file=sys.stderr)
     names: list[str] = []
     for n in args.scenario or ["ci"]:
         if n == "ci":
@@ -642,7 +911,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for n in dict.fromkeys(names):
         print(f"=== {n}", file=sys.stderr, flush=True)
-        results.append({"version": args.version, "build": args.build, **run_scenario(SCENARIOS[n], args.objects)})
+        results.append({"version": args.version, "build": args.build, 
+                        **run_scenario(SCENARIOS[n], args.objects, args.checkpoint_blocks)})
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=1)

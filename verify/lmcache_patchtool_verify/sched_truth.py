@@ -110,6 +110,28 @@ class Truth:
     # whether the running state it starts from after the load is the true one.
     loaded: set[str] = field(default_factory=set)
     restored: dict[str, bool] = field(default_factory=dict)
+    # vLLM 0.33+ with prefill checkpoint blocks: (seq_len, query_len) ->
+    # (checkpoint position, block column), (0, -1) for none; the worker's
+    # compute_mamba_prefill_checkpoints.  None: no checkpoint blocks.
+    checkpoints: Callable[[int, int], tuple[int, int]] | None = None
+    checkpoint_writes: int = 0  # checkpoint states written into a real block
+
+    # ---- worker-side block maintenance (gpu_model_runner._update_states) ---
+    def zero(self, block_ids: Iterable[int]) -> None:
+        """``new_block_ids_to_zero``: the worker zeroes freshly allocated
+        attention blocks before the step; whatever they held is gone."""
+        for b in block_ids:
+            self.fa.pop(b, None)
+            self.mamba.pop(b, None)
+
+    def copy(self, src: int, dst: int) -> None:
+        """A ``kv_cache_block_copies`` entry (copy-on-write), run before the
+        forward: every layer's bytes of ``src`` into ``dst``."""
+        for store in (self.fa, self.mamba):
+            if src in store:
+                store[dst] = store[src]
+            else:
+                store.pop(dst, None)
 
     # ---- worker block tables (gpu_model_runner._update_states) ------------
     def update_tables(self, so: Any) -> None:
@@ -249,6 +271,15 @@ class Truth:
             # Forward: state after the non-draft tokens, then one per draft.
             self._check_slot(rid, g, curr, lists, "writes")
             self._write_state(rid, g, curr, digest(rid, running), running, lists)
+            if self.checkpoints is not None and not d:
+                # vLLM 0.33+: the prefill kernel also emits the state at the
+                # internal checkpoint and the exporter writes it into the
+                # block at its column (a null block there drops it).
+                pos, col = self.checkpoints(st.computed + st.scheduled, st.scheduled)
+                if col >= 0 and self._block(rid, g, col) != NULL_BLOCK:
+                    self._check_slot(rid, g, col, lists, "writes a checkpoint into")
+                    self._write_state(rid, g, col, digest(rid, pos), pos, lists)
+                    self.checkpoint_writes += 1
             acc = st.accepted or 0
             for j in range(1, d + 1):
                 content = (digest(rid, running + j) if j <= acc
