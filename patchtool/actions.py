@@ -19,9 +19,13 @@ from .transaction import commit
 
 def apply(target: Target, pset: PatchSetDir, status: C.Status, *, patch_id: str | None = None,
           dry_run: bool = False, accept_record_mismatch: bool = False,
-          reader: Reader | None = None) -> ApplyResult:
+          reader: Reader | None = None, layers: list[PatchSetDir] | None = None,
+          discovery=None) -> ApplyResult:
+    """Apply ``pset``; for a stacked set, with the layers below it that are
+    not applied yet, in the same single transaction."""
     plan = plan_apply(target, pset, status, reader or Reader(), patch_id=patch_id,
-                      accept_record_mismatch=accept_record_mismatch)
+                      accept_record_mismatch=accept_record_mismatch, layers=layers,
+                      discovery=discovery)
     plan.raise_first()
     res = plan.result
     assert isinstance(res, ApplyResult)
@@ -37,8 +41,10 @@ def apply(target: Target, pset: PatchSetDir, status: C.Status, *, patch_id: str 
 
 
 def revert(target: Target, pset: PatchSetDir | None, status: C.Status, *,
-           dry_run: bool = False, reader: Reader | None = None) -> RevertResult:
-    plan = plan_revert(target, pset, status, reader or Reader())
+           dry_run: bool = False, reader: Reader | None = None,
+           layers: list[PatchSetDir] | None = None, only: str | None = None) -> RevertResult:
+    """Peel every applied set, top first, or with ``only`` just the top one."""
+    plan = plan_revert(target, pset, status, reader or Reader(), layers=layers, only=only)
     plan.raise_first()
     res = plan.result
     assert isinstance(res, RevertResult)

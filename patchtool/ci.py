@@ -200,8 +200,12 @@ def run_ci(*, pin: str | None, requirements: str | None, wheel: str | None,
             if m.state == STATE_FIXED_UPSTREAM:
                 raise Refusal(pset.path / "manifest.json", f"lmcache {pset.version} needs no "
                               f"patch: {m.reason}", ExitCode.FIXED_UPSTREAM)
+            from .stack import resolve
+
             ctx["pset"] = pset
-            ph.detail = (f"{pset.name} revision {m.revision}, {len(m.patches)} patches, "
+            ctx["layers"] = layers = resolve(resources.patches_root(), pset)
+            below = "".join(f"{p.name} revision {p.manifest.revision} + " for p in layers[:-1])
+            ph.detail = (f"{below}{pset.name} revision {m.revision}, {len(m.patches)} patches, "
                          f"vLLM verified: {', '.join(m.vllm_versions) or '-'}")
             ph.data = {"path": str(pset.path), "vllm_versions": m.vllm_versions}
             dep = ctx.get("vllm")
@@ -218,7 +222,7 @@ def run_ci(*, pin: str | None, requirements: str | None, wheel: str | None,
             ph.detail = f"downloaded {ctx['wheel'].name}"
 
         def build(ph: Phase) -> None:
-            b = wheelbuild.build(ctx["wheel"], ctx["pset"], scratch / "wheel")
+            b = wheelbuild.build(ctx["wheel"], ctx["pset"], scratch / "wheel", ctx["layers"])
             ctx["build"] = b
             res.wheel = {k: getattr(b, k) for k in ("filename", "sha256", "version",
                                                     "requirement", "source")}
@@ -254,7 +258,7 @@ def run_ci(*, pin: str | None, requirements: str | None, wheel: str | None,
 
         def verify(ph: Phase) -> None:
             disc = discover(None, str(ctx["site"]))
-            st = classify(disc, ctx["pset"], deep=True)
+            st = classify(disc, ctx["pset"], deep=True, stack=ctx["layers"])
             assert disc.target is not None
             vr = vc.run_verify(vc.CheckContext(disc.target, st, ctx["pset"],
                                                resources.verify_root()), [])

@@ -118,6 +118,13 @@ class Status:
     # The one command that brings this install to the shipped revision, when
     # there is one to run (after `pip install -U lmcache`, or an older revision).
     next_command: str | None = None
+    # Each patch set of the stack, lowest first ({name, revision, state,
+    # detail, applied_through, requires}); one entry for an unstacked set.
+    # The fields above describe the selected (top) set.
+    sets: list = field(default_factory=list)
+    # Why a stacked install is refused (half-stacked, or a drifted file
+    # named with the image it should have had): {file, reason}.
+    problem: dict | None = None
 
 
 # Why: without layout-namespaced keys (revision 1 of the series) objects in a
@@ -157,29 +164,56 @@ RECORD_MISMATCH_NOTE = (
 )
 
 
-def disk_tier_note(m: Manifest) -> str:
-    """The disk-tier note for an install patched with manifest ``m``."""
-    if m.l2_format is not None:
-        return DISK_TIER_NAMESPACED.format(fmt=m.l2_format)
+def disk_tier_note(m: Manifest, fmt: int | None = None) -> str:
+    """The disk-tier note for an install patched with manifest ``m`` (``fmt``:
+    the key format of its whole stack, when a lower set declares it)."""
+    fmt = m.l2_format if fmt is None else fmt
+    if fmt is not None:
+        return DISK_TIER_NAMESPACED.format(fmt=fmt)
     return DISK_TIER_WARNING
 
 
-def apply_command(target: Target) -> str:
+def apply_command(target: Target, set_name: str | None = None) -> str:
     """The exact command that patches this install: what `status` and `verify`
-    tell an operator after `pip install -U lmcache` or a revision bump."""
+    tell an operator after `pip install -U lmcache` or a revision bump
+    (``--set`` for a stacked set, which is never the default)."""
     import shlex
 
     where = (f"--python {shlex.quote(target.python)}" if target.python
              else f"--site-packages {shlex.quote(str(target.site))}")
-    return f"patchtool apply {where}"
+    return f"patchtool apply {where}" + (f" --set {shlex.quote(set_name)}" if set_name else "")
 
 
 def patch_set_key(target: Target) -> tuple[str, str | None]:
     """(version, set name) to look the patch set up with: a patched wheel's
-    ``0.5.3+hybridfa.r1`` is still lmcache 0.5.3, of the set its provenance names."""
+    ``0.5.3+hybridfa.r1`` is still lmcache 0.5.3, of the set its provenance names;
+    an install patched in place with a stack, the top set its state records."""
     public, tag, _ = split_local(target.version)
     prov = read_provenance(target.dist_info) if tag is not None else None
-    return public, (prov or {}).get("patch_set")
+    if prov is not None:
+        return public, prov.get("patch_set")
+    names = recorded_sets(target)
+    return public, names[-1] if len(names) > 1 else None
+
+
+def recorded_sets(target: Target) -> list[str]:
+    """The sets this install says it carries, lowest first: a patched wheel's
+    provenance, else the tool's state (empty when neither says)."""
+    from .state import STATE_FILE, InstallState
+
+    prov = read_provenance(target.dist_info)
+    if prov is not None:
+        return [str(s["patch_set"]) for s in prov.get("sets", [])] or \
+            ([str(prov["patch_set"])] if prov.get("patch_set") else [])
+    path = target.state_dir / STATE_FILE
+    try:
+        data = Reader().read(path)
+        state = None if data is None else InstallState.parse(data, path)
+    except Refusal:
+        return []  # apply/revert report a bad state; guessing a set from it helps nobody
+    if state is None or state.lmcache_version != target.version:
+        return []
+    return state.set_names()
 
 
 def wheel_build_info(target: Target) -> dict | None:
@@ -193,18 +227,96 @@ def wheel_build_info(target: Target) -> dict | None:
 
 
 def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = False,
-             set_name: str | None = None, reader: Reader | None = None) -> Status:
+             set_name: str | None = None, reader: Reader | None = None,
+             stack: list[PatchSetDir] | None = None) -> Status:
+    """Classify the install against ``pset``; with ``stack`` (its layers,
+    lowest first, ``pset`` among them, maybe applied layers above it), against
+    every layer (:mod:`patchtool.stack`)."""
     from .vllm_compat import vllm_notes
 
-    st = _classify(discovery, pset, deep=deep, set_name=set_name, reader=reader)
+    if stack and len(stack) > 1 and pset is not None:
+        st = _classify_stack(discovery, stack, [p.name for p in stack].index(pset.name),
+                             deep=deep, set_name=set_name, reader=reader)
+    else:
+        st = _classify(discovery, pset, deep=deep, set_name=set_name, reader=reader)
+        if pset is not None:
+            st.sets = [_set_state(pset, st)]
     if discovery.target is not None:
         st.vllm_version = installed_version(discovery.site_dirs, "vllm")
         st.notes += vllm_notes(st.vllm_version, st.vllm_versions if st.patch_set else None)
     return st
 
 
+def _set_state(pset: PatchSetDir, st: Status):
+    from .stack import SetState
+
+    return SetState(pset.name, pset.manifest.revision, str(st.state), st.detail,
+                    st.applied_through, list(pset.manifest.requires))
+
+
+def _classify_stack(discovery: Discovery, layers: list[PatchSetDir], sel: int, *, deep: bool,
+                    set_name: str | None, reader: Reader | None) -> Status:
+    """Each layer judged through its view; the selected layer's status
+    carries the stack: every file up to it, each set's state, and DRIFTED with
+    a ``problem`` when the layers do not form a consistent stack."""
+    from . import stack as S
+
+    reader = reader or Reader()
+    t = discovery.target
+    if t is None:
+        return _classify(discovery, layers[sel], deep=deep, set_name=set_name, reader=reader)
+    actual: dict[str, FileHash | None] = {}
+    for path in S.all_files(layers):
+        link = reader.link_on(t.site, path)
+        if link is not None:
+            raise Refusal(link, f"is a symbolic link (on the path of {path}); patchtool "
+                          "classifies and edits only regular files inside site-packages")
+        data = reader.read(t.site / path)
+        actual[path] = None if data is None else FileHash.of(data)
+    vs = S.views(layers, actual)
+    statuses = [_classify(discovery, layer, deep=deep, set_name=set_name, reader=reader,
+                          view=vs[i]) for i, layer in enumerate(layers)]
+    st = statuses[sel]
+    st.sets = [_set_state(layer, s) for layer, s in zip(layers, statuses)]
+    if st.state in (UNSUPPORTED, FIXED_UPSTREAM):
+        return st
+    below = statuses[:sel + 1]
+    by_path = {f.path: f for s in below for f in s.files}  # the highest layer's view wins
+    st.files = [by_path[p] for p in S.all_files(layers[:sel + 1])]
+    notes: list[str] = []
+    for s in below:
+        notes += [n for n in s.notes if n not in notes]
+    st.notes = notes
+    st.record = _record_summary(t.site, Record.read(t.record_path, reader.read).rows,
+                                set(by_path), deep)
+    problem = S.half_stacked(layers, statuses)
+    names = " + ".join(f"{p.name} revision {p.manifest.revision}" for p in layers[:sel + 1])
+    if problem is not None:
+        st.state, st.detail = DRIFTED, f"{problem[0]}: {problem[1]}"
+        st.problem = {"file": problem[0], "reason": problem[1]}
+        st.next_command = None
+    elif st.state == PRISTINE and any(s.state != PRISTINE for s in statuses[:sel]):
+        done = ", ".join(f"{layers[i].name} {s.state}" for i, s in enumerate(statuses[:sel]))
+        st.state = PARTIAL
+        st.detail = f"{layers[sel].name} is not applied ({done})"
+        st.next_command = apply_command(t, layers[sel].name) if st.wheel_build is None else None
+    elif st.state == PATCHED:
+        st.detail = f"patched with {names}" + (
+            f" (installed from the patched wheel, lmcache {t.version})" if st.wheel_build else "")
+    elif st.next_command is not None:
+        st.next_command = apply_command(t, layers[sel].name)
+    fmt = S.l2_format(layers[:sel + 1])
+    if st.state == PATCHED and fmt is not None:  # keys of the whole stack's build
+        st.disk_tier_keys = f"kvl{fmt}"
+        st.notes = [n for n in st.notes if n != DISK_TIER_WARNING]
+        note = disk_tier_note(layers[sel].manifest, fmt)
+        st.notes += [note] if note not in st.notes else []
+    return st
+
+
 def _classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool,
-              set_name: str | None, reader: Reader | None) -> Status:
+              set_name: str | None, reader: Reader | None,
+              view: dict[str, FileHash] | None = None) -> Status:
     reader = reader or Reader()
     t = discovery.target
     st = Status(NOT_INSTALLED, "lmcache is not installed", __version__, discovery.python,
@@ -257,6 +369,9 @@ def _classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool,
         fs.hash, fs.size = fh.hash, fh.size
         fs.record_row = ("absent" if row is None else
                          "ok" if (row.hash, row.size) == (fh.hash, str(fh.size)) else "mismatch")
+        # A stacked layer judges the file by its view (patchtool.stack); the
+        # hash shown and the RECORD row stay the file's own.
+        fh = view.get(path, fh) if view is not None else fh
         steps = {k for k in range(n + 1) if m.hash_after(path, k) == fh}
         common_steps = steps if common_steps is None else common_steps & steps
         for prev in m.previous_revisions:

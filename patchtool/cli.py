@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--l2-format", type=int, metavar="N",
                    help="disk-tier key namespace format the series writes (+kvlN-...; "
                         "default: keep existing)")
+    b.add_argument("--requires", action="append", metavar="SET",
+                   help="a patch set this one is stacked on (repeatable, lowest first): its "
+                        "series is applied to the wheel first, and this series' pre-images "
+                        "are the result (default: keep existing)")
     b.add_argument("--fixed-upstream", metavar="REASON",
                    help="mark this version as needing no patch, with a reason")
     l2 = sub.add_parser("l2", help="disk-tier (fs L2 adapter) tools")
@@ -145,10 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
 @contextmanager
 def _session(args, *, writes: bool) -> Iterator[tuple]:
     """Locate the target, take the lock, roll back any interrupted run, load
-    the patch set; yields (discovery, patch set or None, recovered count)."""
+    the patch set; yields (discovery, patch set or None, recovered count,
+    its stack: the layers to classify by, lowest first)."""
     from . import resources
-    from .classify import patch_set_key
+    from .classify import patch_set_key, recorded_sets, wheel_build_info
     from .manifest import find_patch_set
+    from .stack import for_install
     from .target import discover
     from .errors import WriteRefusal
     from .fsio import describe
@@ -158,15 +164,24 @@ def _session(args, *, writes: bool) -> Iterator[tuple]:
     disc = discover(None if args.site_packages else args.python, args.site_packages)
     t = disc.target
     if t is None:
-        yield disc, None, 0
+        yield disc, None, 0, []
         return
-    # A patched wheel's "0.5.3+hybridfa.r1" is looked up as 0.5.3.
-    version, set_hint = patch_set_key(t)
-    set_name = args.set_name or set_hint
+    root = resources.patches_root()
+
+    def load() -> tuple:
+        # A patched wheel's "0.5.3+hybridfa.r1" is looked up as 0.5.3; an
+        # install carrying a stack defaults to its top set.
+        version, set_hint = patch_set_key(t)
+        if set_hint and wheel_build_info(t) is None and not (root / set_hint).is_dir():
+            set_hint = None  # the state names a set no longer shipped
+        pset = find_patch_set(root, version, args.set_name or set_hint)
+        return pset, for_install(root, pset, recorded_sets(t))
+
     if not writes and not needs_recovery(t.state_dir):
         # Nothing to recover: a reader needs no lock (and works on a site dir
         # it cannot write).
-        yield disc, find_patch_set(resources.patches_root(), version, set_name), 0
+        pset, layers = load()
+        yield disc, pset, 0, layers
         return
     with Lock(t.site):
         try:
@@ -174,7 +189,8 @@ def _session(args, *, writes: bool) -> Iterator[tuple]:
         except OSError as exc:
             raise WriteRefusal(exc.filename or t.state_dir, "cannot roll back an interrupted "
                                f"patchtool run: {describe(exc)}") from None
-        yield disc, find_patch_set(resources.patches_root(), version, set_name), recovered
+        pset, layers = load()  # after the recovery: the state it leaves decides
+        yield disc, pset, recovered, layers
 
 
 def _refuse_wheel_install(st, target, action: str) -> None:
@@ -204,8 +220,8 @@ def _emit(args, kind: str, obj, code: int = 0) -> int:
 def cmd_status(args) -> int:
     from .classify import classify
 
-    with _session(args, writes=False) as (disc, pset, recovered):
-        st = classify(disc, pset, deep=args.deep, set_name=args.set_name)
+    with _session(args, writes=False) as (disc, pset, recovered, layers):
+        st = classify(disc, pset, deep=args.deep, set_name=args.set_name, stack=layers)
     st.recovered_files = recovered
     if disc.target is None and not args.python and not args.site_packages:
         # From pipx, "this interpreter" is pipx's private venv, never the
@@ -223,19 +239,23 @@ def cmd_apply(args) -> int:
     from .target import require_target
 
     # A dry run takes the lock only to recover; it never creates anything.
-    with _session(args, writes=not args.dry_run) as (disc, pset, _):
+    from .stack import l2_format
+
+    with _session(args, writes=not args.dry_run) as (disc, pset, _, layers):
         target = require_target(disc)
-        st = classify(disc, pset, set_name=args.set_name)
+        st = classify(disc, pset, set_name=args.set_name, stack=layers)
         if pset is None:
             refuse_state(st, target)
         if st.wheel_build is not None and (st.state != PATCHED or args.patch is not None):
             _refuse_wheel_install(st, target, "apply")
         res = actions.apply(target, pset, st, patch_id=args.patch, dry_run=args.dry_run,
-                            accept_record_mismatch=args.accept_record_mismatch)
+                            accept_record_mismatch=args.accept_record_mismatch, layers=layers,
+                            discovery=disc)
         if res.action == "applied":
-            res.state_after = classify(disc, pset).state
+            res.state_after = classify(disc, pset, stack=layers).state
         if pset.manifest.state == STATE_PATCH:
-            res.notes.append(disk_tier_note(pset.manifest))
+            below = layers[:[p.name for p in layers].index(pset.name) + 1]
+            res.notes.append(disk_tier_note(pset.manifest, l2_format(below)))
     return _emit(args, "apply", res)
 
 
@@ -244,14 +264,16 @@ def cmd_revert(args) -> int:
     from .classify import classify
     from .target import require_target
 
-    with _session(args, writes=not args.dry_run) as (disc, pset, _):
+    with _session(args, writes=not args.dry_run) as (disc, pset, _, layers):
         target = require_target(disc)
-        st = classify(disc, pset, set_name=args.set_name)
+        st = classify(disc, pset, set_name=args.set_name, stack=layers)
         if st.wheel_build is not None:
             _refuse_wheel_install(st, target, "revert")
-        res = actions.revert(target, pset, st, dry_run=args.dry_run)
+        # --set NAME peels only NAME, which must be the top of the stack.
+        res = actions.revert(target, pset, st, dry_run=args.dry_run, layers=layers,
+                             only=args.set_name)
         if res.action == "reverted":
-            res.state_after = classify(disc, pset).state
+            res.state_after = classify(disc, pset, stack=layers).state
     return _emit(args, "revert", res)
 
 
@@ -291,8 +313,8 @@ def cmd_verify(args) -> int:
     if args.passthrough and not args.restore:
         raise Refusal("--", "arguments after -- are passed only to a --restore script",
                       ExitCode.USAGE)
-    with _session(args, writes=False) as (disc, pset, recovered):
-        st = classify(disc, pset, deep=True, set_name=args.set_name)
+    with _session(args, writes=False) as (disc, pset, recovered, layers):
+        st = classify(disc, pset, deep=True, set_name=args.set_name, stack=layers)
         st.recovered_files = recovered
     if disc.target is None:
         res = vc.VerifyResult(False, st.state, ExitCode.NOT_INSTALLED, st)
@@ -333,11 +355,14 @@ def cmd_wheel(args) -> int:
             raise Refusal(args.from_wheel, f"is lmcache {found}, not {version}")
         version = found
     assert version is not None
+    from .stack import resolve
+
     pset = wheelbuild.locate_patch_set(resources.patches_root(), version, args.set_name)
+    layers = resolve(resources.patches_root(), pset)  # a stacked set builds its whole stack
     with tempfile.TemporaryDirectory(prefix="patchtool-wheel-") as tmp:
         src = Path(args.from_wheel) if args.from_wheel else \
             wheelbuild.download(version, args.python or sys.executable, Path(tmp))
-        res = wheelbuild.build(src, pset, Path(args.output_dir))
+        res = wheelbuild.build(src, pset, Path(args.output_dir), layers)
     return _emit(args, "wheel", res)
 
 
@@ -365,7 +390,7 @@ def cmd_manifest(args) -> int:
     m = build_manifest(Path(args.directory), Path(args.wheel), revision=args.revision,
                        vllm_versions=args.vllm_versions, upstream=args.upstream,
                        fixed_upstream=args.fixed_upstream, notes=args.notes,
-                       l2_format=args.l2_format)
+                       l2_format=args.l2_format, requires=args.requires)
     summary = BuildSummary(str(Path(args.directory) / "manifest.json"), m.lmcache_version,
                            m.state, m.revision, len(m.patches), len(m.files), m.to_json())
     return _emit(args, "manifest", summary)
@@ -384,9 +409,11 @@ def cmd_l2(args) -> int:
     else:
         from .classify import classify
 
-        with _session(args, writes=False) as (disc, pset, _):
-            st = classify(disc, pset, set_name=args.set_name)
-        reader = l2scan.reader_for(st, pset.manifest.l2_format if pset else None)
+        from .stack import l2_format
+
+        with _session(args, writes=False) as (disc, pset, _, layers):
+            st = classify(disc, pset, set_name=args.set_name, stack=layers)
+        reader = l2scan.reader_for(st, l2_format(layers) if pset else None)
     only = l2quarantine.parse_only(args.only)
     res = l2scan.run(Path(args.dir), reader, Path(args.quarantine) if args.quarantine else None,
                      only if args.only is not None else None, sizes=not args.names_only)

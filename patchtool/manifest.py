@@ -103,6 +103,13 @@ class Manifest:
     # after the model name, EXPLAINER "Disk-tier keys"); None: the series
     # writes pristine keys only.  Read by `status` and `l2 scan`.
     l2_format: int | None = None
+    # The patch sets this one is stacked on, lowest first (``["hybrid-fa"]``).
+    # Empty: a base set, whose pre-images are the wheel's.  A stacked set's
+    # pre-image of a file a required set also edits is that set's post-image
+    # (``patchtool manifest build`` applies the required sets first), so the
+    # series only ever applies on top of them.  Omitted from JSON when empty,
+    # so manifests written before stacking existed stay byte-identical.
+    requires: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         out: dict = {
@@ -113,6 +120,8 @@ class Manifest:
         }
         if self.reason:
             out["reason"] = self.reason
+        if self.requires:
+            out["requires"] = list(self.requires)
         out.update({
             "revision": self.revision,
             "vllm_versions": self.vllm_versions,
@@ -153,6 +162,14 @@ def _fh(obj: dict, where: Path) -> FileHash:
         raise Refusal(where, f"malformed file hash entry {obj!r}") from None
 
 
+def _requires(value: object, where: Path) -> list[str]:
+    """``requires``: a list of distinct patch set names (not this set's own)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value) \
+            or len(set(value)) != len(value):
+        raise Refusal(where, f"malformed requires {value!r}: a list of distinct patch set names")
+    return list(value)
+
+
 def load_manifest(path: Path) -> Manifest:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -173,6 +190,7 @@ def load_manifest(path: Path) -> Manifest:
             upstream=list(raw["upstream"]),
             notes=[str(n) for n in raw.get("notes", [])],
             l2_format=None if raw.get("l2_format") is None else int(raw["l2_format"]),
+            requires=_requires(raw.get("requires", []), path),
             tool_version=raw["tool_version"],
             wheel=dict(raw["wheel"]),
             patches=[PatchEntry(str(p["id"]), str(p["file"]), str(p["sha256"]),
@@ -274,6 +292,13 @@ def find_patch_set(root: Path, version: str, set_name: str | None) -> PatchSetDi
         raise Refusal(root / set_name, "no such patch set")
     if not matches:
         return None
+    if len(matches) > 1 and set_name is None:
+        # A stacked set (engine-driven over hybrid-fa) is never the default:
+        # without --set, the one base set is meant, as before stacking.
+        bases = [(s, d) for s, d in matches
+                 if not ((d / MANIFEST_NAME).exists() and load_manifest(d / MANIFEST_NAME).requires)]
+        if len(bases) == 1:
+            matches = bases
     if len(matches) > 1:
         names = ", ".join(s for s, _ in matches)
         raise Refusal(root, f"several patch sets cover lmcache {version} ({names}); choose one with --set")
@@ -286,7 +311,7 @@ def find_patch_set(root: Path, version: str, set_name: str | None) -> PatchSetDi
 def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
                    vllm_versions: list[str] | None = None, upstream: list[str] | None = None,
                    fixed_upstream: str | None = None, notes: list[str] | None = None,
-                   l2_format: int | None = None,
+                   l2_format: int | None = None, requires: list[str] | None = None,
                    write: bool = True) -> Manifest:
     """Generate (and by default write) ``directory/manifest.json``.
 
@@ -294,6 +319,11 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
     RECORD), post-images from applying the whole series with this tool's
     applier.  Options not given are kept from an existing manifest, so a
     rebuild with no options reproduces it exactly.
+
+    A stacked set (``requires``, given or kept) is built over its required
+    sets: each is applied to the wheel first (checked against its own
+    manifest), and this series' pre-images are the result, so a file a
+    required set edits has that set's post-image as its pre-image.
     """
     from .applier import APPLIES, apply_series, parse_patch
     from .distinfo import Wheel
@@ -313,8 +343,20 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
         upstream = existing.upstream if existing else []
     if notes is None:
         notes = existing.notes if existing else []
+    if requires is None:
+        requires = existing.requires if existing else []
+    lower: list = []
+    if requires:
+        from .stack import l2_format as stack_l2_format, requirements
+
+        if directory.parent.name in requires:
+            raise Refusal(directory, f"{directory.parent.name} cannot require itself")
+        # Siblings in the same patches root: <root>/<required set>/<version>/.
+        lower = requirements(directory.parent.parent, directory.name, list(requires),
+                             _seen=(directory.parent.name,))
     if l2_format is None:
-        l2_format = existing.l2_format if existing else None
+        # A new stacked set writes its base's disk-tier keys unless told otherwise.
+        l2_format = existing.l2_format if existing else (stack_l2_format(lower) if lower else None)
     if fixed_upstream is None and existing and existing.state == STATE_FIXED_UPSTREAM:
         fixed_upstream = existing.reason
 
@@ -336,6 +378,7 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
 
     patch_paths = sorted(directory.glob("*.patch"))
     common = dict(patch_set=directory.parent.name, lmcache_version=version, revision=revision,
+                  requires=list(requires),
                   vllm_versions=list(vllm_versions), upstream=list(upstream),
                   notes=list(notes), l2_format=l2_format, tool_version=__version__,
                   wheel={"filename": wheel.name, "sha256": sha256_file(wheel)},
@@ -350,9 +393,20 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
                           "for a version that needs none)")
         patches = [parse_patch(p) for p in patch_paths]
         with Wheel.open(wheel) as whl:
-            def read(path: str) -> bytes | None:
+            def wheel_read(path: str) -> bytes | None:
                 # Pre-images are the wheel's files as its own RECORD vouches for them.
                 return whl.member(path) if whl.has(path) else None
+
+            below: dict[str, bytes] = {}
+            if lower:
+                from .stack import apply_layers
+
+                below = apply_layers(lower, wheel_read, lambda layer, path, why: Refusal(
+                    wheel, f"{path}: {why} (building over required set {layer.name})"))
+
+            def read(path: str) -> bytes | None:
+                # A stacked set's pre-images: the required sets' post-images.
+                return below[path] if path in below else wheel_read(path)
 
             pristine: dict[str, FileHash] = {}
             steps: dict[str, dict[str, FileHash]] = {}
@@ -364,8 +418,10 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
                     r = bad[0]
                     hunk = next((h for h in r.hunks if h.status != APPLIES), None)
                     why = f"{r.path}: {r.status}" + (f" at {hunk.header}: {hunk.detail}" if hunk else "")
+                    onto = (f"{', '.join(requires)} applied to the wheel" if lower
+                            else "the pristine wheel")
                     raise Refusal(patches[[p.id for p in patches].index(r.patch)].file,
-                                  f"does not apply to the pristine wheel in series order ({why})")
+                                  f"does not apply to {onto} in series order ({why})")
                 for fp in patch.files:
                     data = result.files[fp.path]
                     assert data is not None

@@ -80,6 +80,9 @@ def _status_header(console, st) -> None:
     if st.patch_set:
         vllm = ", ".join(st.vllm_versions) or "-"
         console.print(f"patch set   : {st.patch_set} revision {st.revision} (vLLM verified: {vllm})")
+    if len(st.sets) > 1:  # a stack: every set's own state, lowest first
+        for s in st.sets:
+            console.print(f"set         : {s.name} revision {s.revision}: {_styled(s.state)}")
 
 
 def _render_status(console, st) -> None:
@@ -123,6 +126,10 @@ def _render_apply(console, r) -> None:
     _render_hunks(console, r.hunks)
     files = ", ".join(r.changed_files) or "none"
     verb = {"applied": "applied", "dry-run": "would change", "no-op": "nothing to do"}[r.action]
+    if len(r.sets) > 1:  # a stack, in one transaction: what each set changes
+        for s in r.sets:
+            console.print(f"set         : {s['name']} revision {s['revision']} through "
+                          f"{s['through']}: {len(s['changed_files'])} file(s)")
     console.print(f"{r.patch_set} revision {r.revision} through {r.through} on lmcache "
                   f"{r.lmcache_version}: {verb} ({files})")
     if r.removed_pyc:
@@ -137,6 +144,9 @@ def _render_revert(console, r) -> None:
     files = ", ".join(r.restored_files) or "none"
     verb = {"reverted": "restored", "dry-run": "would restore", "no-op": "nothing to revert"}[r.action]
     console.print(f"lmcache {r.lmcache_version}: {verb} ({files}) from {r.source}")
+    if r.sets and r.action != "no-op":
+        left = ", ".join(r.remaining) or "none"
+        console.print(f"sets        : peeled {', '.join(r.sets)}; still applied: {left}")
     if r.state_after:
         console.print(f"state       : [bold]{_styled(r.state_after)}[/]")
 

@@ -20,7 +20,7 @@ from .exitcodes import ExitCode
 from .fsio import Reader
 from .manifest import FileHash, PatchSetDir
 from .record import Record, RecordRow
-from .state import ORIGINALS, STATE_FILE, InstallState, SavedFile
+from .state import LAYER_ORIGINALS, ORIGINALS, STATE_FILE, InstallState, LayerState, SavedFile
 from .target import Target
 from .transaction import Change
 
@@ -37,6 +37,9 @@ class ApplyResult:
     hunks: list[FileResult] = field(default_factory=list)
     removed_pyc: list[str] = field(default_factory=list)
     state_after: str | None = None
+    # Per set of the stack, lowest first: {name, revision, through,
+    # changed_files} (one entry for an unstacked set).
+    sets: list[dict] = field(default_factory=list)
     # What the operator must know about the disk tier once this build serves
     # (the same note `status` prints for a patched install).
     notes: list[str] = field(default_factory=list)
@@ -51,6 +54,9 @@ class RevertResult:
     restored_files: list[str] = field(default_factory=list)
     removed_pyc: list[str] = field(default_factory=list)
     state_after: str | None = None
+    # The sets peeled, top first, and those left applied (lowest first).
+    sets: list[str] = field(default_factory=list)
+    remaining: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -81,6 +87,10 @@ def load_state(target: Target, reader: Reader) -> InstallState | None:
 
 def refuse_state(status: C.Status, target: Target) -> None:
     """Raise the refusal for a state apply cannot act on."""
+    if status.problem is not None:  # a drifted or half-stacked stack (patchtool.stack)
+        raise TargetStateRefusal(target.site / status.problem["file"],
+                                 f"{status.problem['reason']}; refusing to patch",
+                                 ExitCode.DRIFTED)
     if status.state == C.UNSUPPORTED:
         raise TargetStateRefusal(target.dist_info, status.detail + " (see `patchtool list`)",
                                  ExitCode.UNSUPPORTED_VERSION)
@@ -111,7 +121,7 @@ def _select(pset: PatchSetDir, patch_id: str | None) -> int:
     raise Refusal(patch_id, f"no such patch in {pset.name}/{pset.version} (have: {', '.join(ids)})")
 
 
-def _original(target: Target, pset: PatchSetDir, state: InstallState | None, path: str,
+def _original(target: Target, pset: PatchSetDir, state: LayerState | None, path: str,
               current: bytes, patches: list[Patch], reader: Reader) -> bytes | None:
     """Pristine bytes of ``path``: the saved copy, the file itself, or (state
     lost) the file with the series reversed; each checked against the manifest."""
@@ -156,7 +166,7 @@ def _links(target: Target, paths: list[str], reader: Reader) -> list[Refusal]:
     return out
 
 
-def _series_table(target: Target, pset: PatchSetDir, state: InstallState | None,
+def _series_table(target: Target, pset: PatchSetDir, state: LayerState | None,
                   patches: list[Patch], all_patches: list[Patch],
                   current: dict[str, bytes | None], reader: Reader):
     """The per-hunk table, and the bytes after the series.  A file already at
@@ -187,43 +197,81 @@ def _series_table(target: Target, pset: PatchSetDir, state: InstallState | None,
     return table
 
 
-def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Reader, *,
-               patch_id: str | None = None, accept_record_mismatch: bool = False) -> Plan:
+class Overlay(Reader):
+    """The install as it will be once the changes planned so far are
+    committed: how a stacked layer is planned on top of the layers below it,
+    in memory, before one transaction writes them all."""
+
+    def __init__(self, base: Reader) -> None:
+        self.base = base
+        self.pending: dict = {}  # Path -> bytes | None
+
+    def read(self, path):
+        return self.pending[path] if path in self.pending else self.base.read(path)
+
+    def link_on(self, base, rel):
+        return self.base.link_on(base, rel)
+
+    def pycs(self, module):
+        return self.base.pycs(module)
+
+
+def _layer_status(discovery, layers: list[PatchSetDir], i: int, reader: Reader) -> C.Status:
+    """Layer ``i``'s own state over ``reader`` (the overlay), through its view."""
+    from . import stack as S
+
+    t = discovery.target
+    actual = {}
+    for path in S.all_files(layers):
+        data = reader.read(t.site / path)
+        actual[path] = None if data is None else FileHash.of(data)
+    return C._classify(discovery, layers[i], deep=False, set_name=None, reader=reader,
+                       view=S.views(layers, actual)[i])
+
+
+@dataclass
+class _Layer:
+    """What applying one layer changes, in memory."""
+
+    new_bytes: dict[str, bytes]
+    entry: LayerState | None  # the layer's state record after the apply
+    originals: list[Change]  # pre-images to save
+    hunks: list[FileResult]
+
+
+def _plan_layer(target: Target, layers: list[PatchSetDir], i: int, status: C.Status,
+                reader: Reader, saved_layer: LayerState | None, *, k: int, patch_id: str | None,
+                accept_record_mismatch: bool, plan: Plan) -> _Layer | None:
+    """Layer ``i`` of the stack applied through patch ``k`` over ``reader``;
+    None when it refused (the refusal is on ``plan``)."""
+    from . import stack as S
+
+    pset = layers[i]
     m = pset.manifest
-    plan = Plan(ApplyResult("no-op", pset.name, target.version, m.revision,
-                            m.step_ids()[-1] if m.patches else "", str(status.state)))
+    state = saved_layer
     try:
         refuse_state(status, target)
-        k = _select(pset, patch_id)
     except Refusal as r:
-        return plan.refuse(r)
-    res = plan.result
-    assert isinstance(res, ApplyResult)
-    res.through = m.step_ids()[k - 1]
+        plan.refuse(r)
+        return None
     if status.state == C.PARTIAL and status.applied_through is not None:
         done = m.step_ids().index(status.applied_through) + 1
         if done > k:
-            return plan.refuse(Refusal(target.dist_info, f"already patched up to "
-                                       f"{status.applied_through}, beyond {patch_id}; revert first"))
+            plan.refuse(Refusal(target.dist_info, f"already patched up to "
+                                f"{status.applied_through}, beyond {patch_id}; revert first"))
+            return None
     if status.state == C.PATCHED and k < len(m.patches):
-        return plan.refuse(Refusal(target.dist_info, f"already patched with the whole series, "
-                                   f"beyond {patch_id}; revert first"))
-    for r in _links(target, list(m.files) + [str(target.record_path.relative_to(target.site))],
-                    reader):
-        plan.refuse(r)
-    if plan.refusals:
-        return plan
+        plan.refuse(Refusal(target.dist_info, f"already patched with the whole series, "
+                            f"beyond {patch_id}; revert first"))
+        return None
+    if i < len(layers) - 1 and status.state == C.PATCHED:
+        # A lower layer already patched: a file a higher layer also edits holds
+        # that layer's bytes, which this layer's series must not be run on.
+        return _Layer({}, state, [], [])
     all_patches = pset.load_patches()  # parsed once for the table, the originals and the apply
     patches = all_patches[:k]
     current = {p: reader.read(target.site / p) for p in m.files}
-    try:
-        state = load_state(target, reader)
-    except Refusal as r:
-        return plan.refuse(r)
-    if state is not None and state.lmcache_version != target.version:
-        state = None  # left by another lmcache version; its originals are not ours
     table = _series_table(target, pset, state, patches, all_patches, current, reader)
-    res.hunks = table.results
 
     new_bytes: dict[str, bytes] = {}
     for path in m.files:
@@ -248,16 +296,17 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
                                 f"manifest expects {want.hash}; refusing"))
             continue
         new_bytes[path] = out
-    res.changed_files = sorted(new_bytes)
-    if plan.refusals or not new_bytes:
-        res.state_after = None if plan.refusals else status.state
-        return plan
+    if plan.refusals:
+        return None
+    if not new_bytes:
+        return _Layer({}, state, [], table.results)
 
     # RECORD rows of the touched files, and the state that revert relies on.
     try:
         record = Record.read(target.record_path, reader.read)
     except Refusal as r:
-        return plan.refuse(r)
+        plan.refuse(r)
+        return None
     for path in new_bytes:
         row = record.row(path)
         if row is None:
@@ -273,36 +322,128 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
                 "patch it anyway (revert then restores this row as it is now)",
                 ExitCode.DRIFTED))
     if plan.refusals:
-        return plan
-    new_record = record.with_rows({p: RecordRow(p, FileHash.of(b).hash, str(len(b)))
-                                   for p, b in new_bytes.items()})
+        return None
     saved = dict(state.files) if state else {}
-    changes: list[Change] = []
+    originals: list[Change] = []
     for path, data in sorted(new_bytes.items()):
         if path not in saved:
             original = _original(target, pset, None, path, current[path] or b"", all_patches,
                                  reader)
             if original is None:
-                return plan.refuse(Refusal(target.site / path, "cannot establish its pristine "
-                                           "bytes"))
-            rel = f"{ORIGINALS}/{path}"
-            changes.append(Change(target.state_dir / rel, original))
+                plan.refuse(Refusal(target.site / path, "cannot establish its pristine bytes"))
+                return None
+            # The wheel's bytes keep v1's place; a pre-image that is a lower
+            # layer's post-image is kept per layer.
+            rel = (f"{ORIGINALS}/{path}" if S.lower_layer(layers, i, path) is None
+                   else f"{LAYER_ORIGINALS}/{pset.name}/{path}")
+            originals.append(Change(target.state_dir / rel, original))
             saved[path] = SavedFile(rel, m.hash_after(path, 0), record.row(path))
-        changes.append(Change(target.site / path, data))
         saved[path] = SavedFile(saved[path].original, saved[path].pre, saved[path].record_row,
                                 FileHash.of(data))
-    changes.append(Change(target.record_path, new_record.render()))
-    new_state = InstallState(__version__, target.version, target.dist_info.name, pset.name,
-                             m.revision, m.step_ids()[k - 1], saved)
+    entry = LayerState(pset.name, m.revision, m.step_ids()[k - 1], saved)
+    return _Layer(new_bytes, entry, originals, table.results)
+
+
+def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Reader, *,
+               patch_id: str | None = None, accept_record_mismatch: bool = False,
+               layers: list[PatchSetDir] | None = None, discovery=None) -> Plan:
+    """Apply ``pset`` and, for a stacked set, every layer below it that is not
+    yet applied, lowest first, each planned over the layers below it in
+    memory: one plan, so one transaction commits the whole stack."""
+    layers = list(layers or [pset])
+    sel = [p.name for p in layers].index(pset.name)
+    stack = layers[:sel + 1]
+    m = pset.manifest
+    plan = Plan(ApplyResult("no-op", pset.name, target.version, m.revision,
+                            m.step_ids()[-1] if m.patches else "", str(status.state)))
+    res = plan.result
+    assert isinstance(res, ApplyResult)
+    try:
+        refuse_state(status, target)
+        k_top = _select(pset, patch_id)
+    except Refusal as r:
+        return plan.refuse(r)
+    res.through = m.step_ids()[k_top - 1]
+    from . import stack as S
+
+    for r in _links(target, S.all_files(stack) + [str(target.record_path.relative_to(target.site))],
+                    reader):
+        plan.refuse(r)
+    if plan.refusals:
+        return plan
+    try:
+        state = load_state(target, reader)
+    except Refusal as r:
+        return plan.refuse(r)
+    if state is not None and state.lmcache_version != target.version:
+        state = None  # left by another lmcache version; its originals are not ours
+
+    overlay = Overlay(reader)
+    entries: list[LayerState | None] = []
+    originals: list[Change] = []
+    changed: dict[str, bytes] = {}
+    for i, layer in enumerate(stack):
+        st_i = status if len(layers) == 1 else _layer_status(discovery, stack, i, overlay)
+        k = k_top if i == sel else len(layer.manifest.patches)
+        saved = state.layer(layer.name) if state is not None else None
+        lp = _plan_layer(target, stack, i, st_i, overlay, saved, k=k, patch_id=patch_id,
+                         accept_record_mismatch=accept_record_mismatch, plan=plan)
+        if lp is None:
+            res.state_after = None
+            return plan
+        hunks = lp.hunks
+        if len(stack) > 1:  # name the set: patch ids repeat across sets
+            for fr in hunks:
+                fr.patch = f"{layer.name}/{fr.patch}"
+        res.hunks += hunks
+        res.sets.append({"name": layer.name, "revision": layer.manifest.revision,
+                         "through": layer.manifest.step_ids()[k - 1] if layer.manifest.patches
+                         else "", "changed_files": sorted(lp.new_bytes)})
+        entries.append(lp.entry)
+        originals += lp.originals
+        if lp.new_bytes:
+            record = Record.read(target.record_path, overlay.read)
+            new_record = record.with_rows({p: RecordRow(p, FileHash.of(b).hash, str(len(b)))
+                                           for p, b in lp.new_bytes.items()})
+            for p, b in lp.new_bytes.items():
+                overlay.pending[target.site / p] = b
+            overlay.pending[target.record_path] = new_record.render()
+            changed.update(lp.new_bytes)
+    res.changed_files = sorted(changed)
+    if not changed:
+        res.state_after = status.state
+        return plan
+
+    # A layer already patched before this run but without a record (its
+    # state was lost) gets one now, or revert could not peel it.
+    for i, layer in enumerate(stack):
+        if entries[i] is None:
+            return plan.refuse(Refusal(target.state_dir / STATE_FILE, f"has no record of "
+                                       f"{layer.name}, which is applied under "
+                                       f"{stack[-1].name}; revert or reinstall lmcache=="
+                                       f"{target.version}, then apply"))
+    new_state = InstallState(__version__, target.version, target.dist_info.name,
+                             [e for e in entries if e is not None])
+    stale: list[Change] = []
+    if state is not None:  # records of sets no longer applied (their files are at pre)
+        keep = {f.original for e in new_state.layers for f in e.files.values()}
+        stale = [Change(target.state_dir / f.original, None) for la in state.layers
+                 if la.patch_set not in new_state.set_names() for f in la.files.values()
+                 if f.original not in keep]
+    changes = originals + [Change(target.site / p, b) for p, b in sorted(changed.items())]
+    changes.append(Change(target.record_path, overlay.pending[target.record_path]))
     changes.append(Change(target.state_dir / STATE_FILE, new_state.render()))
     pyc = _stale_pyc(target, res.changed_files, reader)
     res.removed_pyc = [str(c.path.relative_to(target.site)) for c in pyc]
-    plan.changes = changes + pyc
+    plan.changes = changes + stale + pyc
     return plan
 
 
 def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
-                reader: Reader) -> Plan:
+                reader: Reader, *, layers: list[PatchSetDir] | None = None,
+                only: str | None = None) -> Plan:
+    """Peel the applied sets, top first: all of them, or with ``only`` (the
+    ``--set`` given) just that one, which must be the top of the stack."""
     plan = Plan(RevertResult("no-op", target.version, "none", str(status.state)))
     res = plan.result
     assert isinstance(res, RevertResult)
@@ -311,43 +452,73 @@ def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
         record = Record.read(target.record_path, reader.read)
     except Refusal as r:
         return plan.refuse(r)
+    shipped = {p.name: p for p in (layers or ([pset] if pset is not None else []))}
     restore: dict[str, bytes] = {}
     new_rows: dict[str, RecordRow] = {}
     housekeeping: list[Change] = []
 
     if state is not None and state.lmcache_version == target.version:
         res.source = "saved originals"
-        for r in _links(target, list(state.files), reader):
+        names = state.set_names()
+        peel = list(reversed(state.layers))
+        if only is not None:
+            if only not in names:
+                return plan.refuse(Refusal(target.state_dir / STATE_FILE, f"{only} is not "
+                                           f"applied (applied: {', '.join(names)})"))
+            if only != names[-1]:
+                return plan.refuse(Refusal(target.state_dir / STATE_FILE, f"{only} is "
+                                           f"required by the applied set {names[-1]}; revert "
+                                           f"--set {names[-1]} first, or revert without --set "
+                                           "to peel every set"))
+            peel = [state.top]
+        for r in _links(target, sorted({p for la in peel for p in la.files}), reader):
             plan.refuse(r)
         if plan.refusals:
             return plan
-        for path, info in sorted(state.files.items()):
-            data = reader.read(target.site / path)
-            if data is not None and FileHash.of(data) == info.pre:
-                continue  # already pristine
-            known = {info.patched} if info.patched is not None else set()
-            if pset is not None and path in pset.manifest.files:
-                known |= {pset.manifest.hash_after(path, k)
-                          for k in range(len(pset.manifest.patches) + 1)}
-            if data is None or FileHash.of(data) not in known:
-                plan.refuse(TargetStateRefusal(
-                    target.site / path, "was changed after patchtool patched it; refusing to "
-                    f"overwrite it (reinstall lmcache=={target.version} instead)",
-                    ExitCode.DRIFTED))
-                continue
-            original = reader.read(target.state_dir / info.original)
-            if original is None or FileHash.of(original) != info.pre:
-                plan.refuse(Refusal(target.state_dir / info.original, "saved original is "
-                                    "missing or does not match its recorded hash"))
-                continue
-            restore[path] = original
-            new_rows[path] = info.record_row
-        housekeeping = [Change(target.state_dir / i.original, None) for i in state.files.values()]
-        housekeeping.append(Change(target.state_dir / STATE_FILE, None))
-    elif status.state in (C.PATCHED, C.PARTIAL) and pset is not None:
+        overlay = Overlay(reader)
+        for la in peel:
+            ps = shipped.get(la.patch_set)
+            for path, info in sorted(la.files.items()):
+                data = overlay.read(target.site / path)
+                if data is not None and FileHash.of(data) == info.pre:
+                    continue  # this layer never changed it (or it is already back)
+                known = {info.patched} if info.patched is not None else set()
+                if ps is not None and path in ps.manifest.files:
+                    known |= {ps.manifest.hash_after(path, k)
+                              for k in range(len(ps.manifest.patches) + 1)}
+                if data is None or FileHash.of(data) not in known:
+                    plan.refuse(TargetStateRefusal(
+                        target.site / path, "was changed after patchtool patched it; refusing to "
+                        f"overwrite it (reinstall lmcache=={target.version} instead)",
+                        ExitCode.DRIFTED))
+                    continue
+                original = reader.read(target.state_dir / info.original)
+                if original is None or FileHash.of(original) != info.pre:
+                    plan.refuse(Refusal(target.state_dir / info.original, "saved original is "
+                                        "missing or does not match its recorded hash"))
+                    continue
+                overlay.pending[target.site / path] = original
+                restore[path] = original
+                new_rows[path] = info.record_row  # a lower layer's row, peeled later, wins
+            housekeeping += [Change(target.state_dir / i.original, None)
+                             for i in la.files.values()]
+        res.sets = [la.patch_set for la in peel]
+        left = state.layers[:len(state.layers) - len(peel)]
+        res.remaining = [la.patch_set for la in left]
+        if left:
+            kept = InstallState(state.tool_version, state.lmcache_version, state.dist_info, left)
+            housekeeping.append(Change(target.state_dir / STATE_FILE, kept.render()))
+        else:
+            housekeeping.append(Change(target.state_dir / STATE_FILE, None))
+        # A file a peeled layer shares with a kept one: its restored bytes are
+        # the kept layer's post-image, so nothing to delete for it there.
+    elif status.state in (C.PATCHED, C.PARTIAL) and pset is not None and \
+            not (layers and len(layers) > 1 and any(s.state != "pristine"
+                                                    for s in status.sets[:-1])):
         # No saved state (deleted by hand): reverse the series in memory and
         # accept the result only where it reproduces the wheel's hashes.
         res.source = "reverse patch"
+        res.sets = [pset.name]
         m = pset.manifest
         for r in _links(target, list(m.files), reader):
             plan.refuse(r)
@@ -373,7 +544,7 @@ def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
         if state is not None:  # stale state of another lmcache version
             housekeeping = [Change(target.state_dir / STATE_FILE, None)]
             housekeeping += [Change(target.state_dir / i.original, None)
-                             for i in state.files.values()]
+                             for la in state.layers for i in la.files.values()]
     else:
         try:
             refuse_state(status, target)

@@ -37,8 +37,11 @@ from .manifest import sha256_file
 
 PROVENANCE_FILE = "lmcache_patchtool.json"
 PROVENANCE_SCHEMA = "lmcache-patchtool/wheel-provenance/v1"
-# The local version segment this tool writes: "<set, alphanumerics only>.r<revision>".
-_LOCAL = re.compile(r"^(?P<public>[^+]+)\+(?P<tag>[a-z0-9]+)\.r(?P<rev>[0-9]+)$")
+# The local version this tool writes: "<set, alphanumerics only>.r<revision>" per
+# set of the stack, lowest first ("hybridfa.r3.enginedriven.r1").
+_SEGMENT = r"[a-z0-9]+\.r[0-9]+"
+_LOCAL = re.compile(rf"^(?P<public>[^+]+)\+(?P<local>{_SEGMENT}(?:\.{_SEGMENT})*)$")
+_PAIR = re.compile(r"([a-z0-9]+)\.r([0-9]+)")
 
 
 def local_tag(set_name: str, revision: int) -> str:
@@ -46,13 +49,30 @@ def local_tag(set_name: str, revision: int) -> str:
     return re.sub(r"[^a-z0-9]", "", set_name.lower()) + f".r{revision}"
 
 
-def split_local(version: str) -> tuple[str, str | None, int | None]:
-    """``0.5.3+hybridfa.r1`` -> (``0.5.3``, ``hybridfa``, 1); a version
-    without this tool's local tag -> (version, None, None)."""
+def stack_tag(segments: list[tuple[str, int]]) -> str:
+    """[(``hybrid-fa``, 3), (``engine-driven``, 1)] -> ``hybridfa.r3.enginedriven.r1``:
+    every set of the stack and its revision, lowest first (PEP 440 local
+    segments, so pip and uv compare and install it like any local version)."""
+    return ".".join(local_tag(name, rev) for name, rev in segments)
+
+
+def split_stack(version: str) -> tuple[str, list[tuple[str, int]]]:
+    """``0.5.3+hybridfa.r3.enginedriven.r1`` -> (``0.5.3``, [(``hybridfa``, 3),
+    (``enginedriven``, 1)]); a version without this tool's tag -> (version, [])."""
     m = _LOCAL.match(version)
     if not m:
+        return version, []
+    return m["public"], [(t, int(r)) for t, r in _PAIR.findall(m["local"])]
+
+
+def split_local(version: str) -> tuple[str, str | None, int | None]:
+    """``0.5.3+hybridfa.r1`` -> (``0.5.3``, ``hybridfa``, 1); for a stack, the
+    top set's tag and revision; a version without this tool's local tag ->
+    (version, None, None)."""
+    public, segments = split_stack(version)
+    if not segments:
         return version, None, None
-    return m["public"], m["tag"], int(m["rev"])
+    return public, segments[-1][0], segments[-1][1]
 
 
 def parse_pin(text: str) -> tuple[str, str]:
@@ -108,6 +128,7 @@ class WheelBuild:
     revision: int
     requirement: str  # a requirements-file line pinning the built wheel by hash
     source: dict  # {filename, sha256, verified_by}
+    sets: list[dict] = field(default_factory=list)  # [{name, revision}], lowest first
     warnings: list[str] = field(default_factory=list)
     files: dict = field(default_factory=dict)  # path -> {pre, post} (RECORD-form hashes)
     members: int = 0
@@ -122,16 +143,19 @@ def _read_source(whl) -> None:
                       "the upstream wheel")
 
 
-def check_source(whl, sha: str, manifest) -> tuple[str, list[str], dict]:
+def check_source(whl, sha: str, manifest, pres: dict | None = None
+                 ) -> tuple[str, list[str], dict]:
     """Refuse (WHEEL_MISMATCH) unless every target file is the manifest's
-    pre-image and every member matches the wheel's RECORD.  Returns
+    pre-image (``pres``: {path: hash} of a whole stack, the wheel's file for
+    each) and every member matches the wheel's RECORD.  Returns
     (verified_by, warnings, {path: pristine bytes})."""
     from .manifest import FileHash
 
     wheel = whl.path
     pristine: dict[str, bytes] = {}
-    for path in manifest.files:
-        pre = manifest.hash_after(path, 0)
+    if pres is None:
+        pres = {path: manifest.hash_after(path, 0) for path in manifest.files}
+    for path, pre in pres.items():
         if not whl.has(path):
             raise Refusal(wheel, f"has no {path}, which the patch set edits",
                           ExitCode.WHEEL_MISMATCH)
@@ -184,9 +208,11 @@ def _metadata_with_version(data: bytes, version: str) -> bytes:
     raise Refusal("METADATA", "has no Version header")
 
 
-def build(wheel: Path, pset, out_dir: Path) -> WheelBuild:
-    """Build the patched wheel of ``wheel`` with patch set ``pset`` into
-    ``out_dir``; refuses (nothing written) when the wheel does not match."""
+def build(wheel: Path, pset, out_dir: Path, layers: list | None = None) -> WheelBuild:
+    """Build the patched wheel of ``wheel`` with patch set ``pset`` (for a
+    stacked set, ``layers``: its whole stack, lowest first, applied in order)
+    into ``out_dir``; refuses (nothing written) when the wheel does not match."""
+    from . import stack as S
     from . import wheelzip
     from .applier import APPLIES, apply_series
     from .distinfo import Wheel
@@ -196,6 +222,8 @@ def build(wheel: Path, pset, out_dir: Path) -> WheelBuild:
     wheel = Path(wheel)
     if not wheel.is_file():
         raise Refusal(wheel, "no such wheel file")
+    layers = list(layers or [pset])
+    stacked = len(layers) > 1
     m = pset.manifest
     if m.state == STATE_FIXED_UPSTREAM:
         raise Refusal(pset.path / "manifest.json", f"lmcache {pset.version} needs no patch: "
@@ -206,24 +234,30 @@ def build(wheel: Path, pset, out_dir: Path) -> WheelBuild:
             raise Refusal(wheel, f"is lmcache {whl.version}, but the patch set is for "
                           f"{pset.version}")
         src_sha = sha256_file(wheel)
-        verified_by, warnings, pristine = check_source(whl, src_sha, m)
+        pres = {p: S.wheel_pre(layers, p) for p in S.all_files(layers)} if stacked else None
+        verified_by, warnings, pristine = check_source(whl, src_sha, layers[0].manifest
+                                                       if stacked else m, pres)
 
-        series = apply_series(pset.load_patches(), lambda p: pristine.get(p))
-        bad = [r for r in series.results if r.status != APPLIES]
-        if bad:
-            raise Refusal(pset.path / f"{bad[0].patch}.patch", f"{bad[0].path}: {bad[0].status} "
-                          "on the pristine wheel file; rebuild the manifest")
-        patched: dict[str, bytes] = {}
-        for path in m.files:
-            out = series.files.get(path)
-            want = m.hash_after(path, len(m.patches))
-            if out is None or FileHash.of(out) != want:
-                raise Refusal(pset.path / "manifest.json", f"applying the series to {path} does "
-                              f"not give the manifest's post-image {want.hash}")
-            patched[path] = out
+        if stacked:  # every layer in order, each checked against its own manifest
+            patched = S.apply_layers(layers, lambda p: pristine.get(p))
+        else:
+            series = apply_series(pset.load_patches(), lambda p: pristine.get(p))
+            bad = [r for r in series.results if r.status != APPLIES]
+            if bad:
+                raise Refusal(pset.path / f"{bad[0].patch}.patch", f"{bad[0].path}: "
+                              f"{bad[0].status} on the pristine wheel file; rebuild the manifest")
+            patched = {}
+            for path in m.files:
+                out = series.files.get(path)
+                want = m.hash_after(path, len(m.patches))
+                if out is None or FileHash.of(out) != want:
+                    raise Refusal(pset.path / "manifest.json", f"applying the series to {path} "
+                                  f"does not give the manifest's post-image {want.hash}")
+                patched[path] = out
 
         src_di = whl.dist_info
-        new_version = f"{whl.version}+{local_tag(pset.name, m.revision)}"
+        segments = S.local_segments(layers)
+        new_version = f"{whl.version}+{stack_tag(segments)}"
         new_di = f"{DIST}-{new_version}.dist-info"
         filename = _new_filename(wheel, whl.version, new_version)
 
@@ -234,7 +268,7 @@ def build(wheel: Path, pset, out_dir: Path) -> WheelBuild:
         record_name = whl.record_name
         metadata = _metadata_with_version(whl.read(meta_name), new_version)
         provenance = _provenance(wheel, src_sha, pset, verified_by, new_version, pristine,
-                                 patched)
+                                 patched, layers if stacked else None)
         prov_name = f"{new_di}/{PROVENANCE_FILE}"
 
         # RECORD: every source row in order, in the source's line ending; the
@@ -276,14 +310,18 @@ def build(wheel: Path, pset, out_dir: Path) -> WheelBuild:
         lmcache_version=pset.version, patch_set=pset.name, revision=m.revision,
         requirement=f"{DIST}=={new_version} --hash=sha256:{sha}",
         source={"filename": wheel.name, "sha256": src_sha, "verified_by": verified_by},
+        sets=[{"name": p.name, "revision": p.manifest.revision} for p in layers],
         warnings=warnings,
-        files={p: {"pre": m.hash_after(p, 0).hash, "post": FileHash.of(b).hash}
+        files={p: {"pre": FileHash.of(pristine[p]).hash, "post": FileHash.of(b).hash}
                for p, b in patched.items()},
         members=len(members), record_rows=len(new_record))
 
 
 def _provenance(wheel: Path, src_sha: str, pset, verified_by: str, new_version: str,
-                pristine: dict[str, bytes], patched: dict[str, bytes]) -> bytes:
+                pristine: dict[str, bytes], patched: dict[str, bytes],
+                layers: list | None = None) -> bytes:
+    """The provenance file.  The top-level set fields name the top set (what
+    an unstacked wheel always had); a stack adds ``sets``, lowest first."""
     from .manifest import FileHash
 
     m = pset.manifest
@@ -305,6 +343,10 @@ def _provenance(wheel: Path, src_sha: str, pset, verified_by: str, new_version: 
         "files": {p: {"pre": FileHash.of(pristine[p]).to_json(),
                       "post": FileHash.of(patched[p]).to_json()} for p in sorted(patched)},
     }
+    if layers:  # only for a stack: an unstacked wheel's bytes (and pinned hash) are unchanged
+        doc["sets"] = [{"patch_set": p.name, "revision": p.manifest.revision,
+                        "patches": [{"id": e.id, "file": e.file, "sha256": e.sha256}
+                                    for e in p.manifest.patches]} for p in layers]
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
