@@ -128,6 +128,12 @@ def test_apply_stack_status_and_verify_per_set(site, fresh_site, stack_root):
     assert set_states(status(site, stack_root, "--set", TOP)) == {sw.SET: "pristine",
                                                                    TOP: "pristine"}
 
+    # the dry run is the same plan, and writes nothing
+    before_all = whole_tree(site)
+    dry = cli("apply", *sp(site), "--set", TOP, "--dry-run", "--json", patches=stack_root)
+    assert dry.rc == 0 and dry.json["result"]["action"] == "dry-run", dry.err
+    assert dry.json["result"]["changed_files"] == ALL and whole_tree(site) == before_all
+
     r = cli("apply", *sp(site), "--set", TOP, "--json", patches=stack_root)
     assert r.rc == 0, r.err
     res = r.json["result"]
@@ -205,6 +211,25 @@ def test_partial_base_is_completed_under_the_stack(site, fresh_site, stack_root)
     assert set_states(status(site, stack_root)) == {sw.SET: "patched", TOP: "patched"}
     assert cli("revert", *sp(site), patches=stack_root).rc == 0
     assert tree_hashes(site, SKIP) == tree_hashes(fresh_site, SKIP)
+
+
+def test_older_base_revision_is_upgraded_under_the_stack(tmp_path, site, fresh_site, patch_root,
+                                                         patch_root_r2, wheel):
+    """An install patched with the base's revision 1 (by the tool before
+    stacks: state v1), the base now at revision 2 with the stacked set built
+    over it: apply --set TOP upgrades the base and applies the top in one
+    run, and revert brings back the wheel's bytes."""
+    assert cli("apply", *sp(site), patches=patch_root).rc == 0
+    root = make_stack(Path(shutil.copytree(patch_root_r2, tmp_path / "p")), wheel)
+    st = status(site, root, "--set", TOP)
+    assert set_states(st) == {sw.SET: "patched-older-revision", TOP: "pristine"}
+    r = cli("apply", *sp(site), "--set", TOP, "--json", patches=root)
+    assert r.rc == 0, r.err
+    st = status(site, root)
+    assert st["state"] == "patched" and set_states(st) == {sw.SET: "patched", TOP: "patched"}
+    assert [(s["name"], s["revision"]) for s in st["sets"]] == [(sw.SET, 2), (TOP, 1)]
+    assert cli("revert", *sp(site), patches=root).rc == 0
+    assert whole_tree(site) == whole_tree(fresh_site)
 
 
 # ------------------------------------------------------------------ one transaction, crashes
