@@ -452,6 +452,7 @@ class ListRow:
     patches: int = 0
     vllm_versions: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    requires: list[str] = field(default_factory=list)  # the sets it is stacked on
 
 
 def list_patch_sets(root: Path) -> list[ListRow]:
@@ -467,6 +468,7 @@ def list_patch_sets(root: Path) -> list[ListRow]:
                 m = ps.manifest
                 row.state, row.revision, row.patches = m.state, m.revision, len(m.patches)
                 row.vllm_versions, row.files = m.vllm_versions, sorted(m.files)
+                row.requires = list(m.requires)
         rows.append(row)
     return rows
 

@@ -166,7 +166,8 @@ def _render_verify(console, r) -> None:
 def _render_list(console, rows) -> None:
     t = _table("set", "lmcache", "revision", "state", "patches", "vLLM verified", "dir")
     for r in rows:
-        t.add_row(r.set, r.lmcache_version, str(r.revision if r.revision is not None else "-"),
+        name = r.set + (f" (on {', '.join(r.requires)})" if r.requires else "")
+        t.add_row(name, r.lmcache_version, str(r.revision if r.revision is not None else "-"),
                   r.state, str(r.patches), ", ".join(r.vllm_versions) or "-", r.path)
     console.print(t)
 

@@ -102,6 +102,12 @@ def test_manifest_build_stacked_pre_is_base_post(tmp_path, stack_root, wheel):
              "requires patch set nosuchset")
 
 
+def test_list_names_what_a_set_is_stacked_on(stack_root):
+    rows = {r["set"]: r for r in cli("list", "--json", patches=stack_root).json["result"]}
+    assert rows[TOP]["requires"] == [sw.SET] and rows[sw.SET]["requires"] == []
+    assert f"{TOP} (on {sw.SET})" in cli("list", patches=stack_root, env={"COLUMNS": "200"}).out
+
+
 def test_stacked_manifest_over_another_base_revision_is_refused(tmp_path, stack_root, wheel,
                                                                 site):
     """The base moves to revision 2 and the stacked manifest was not rebuilt:
