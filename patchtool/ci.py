@@ -262,7 +262,9 @@ def run_ci(*, pin: str | None, requirements: str | None, wheel: str | None,
             assert disc.target is not None
             vr = vc.run_verify(vc.CheckContext(disc.target, st, ctx["pset"],
                                                resources.verify_root()), [])
-            ph.data = {"state": st.state, "checks": [c.name for c in vr.checks if c.ok]}
+            ph.data = {"state": st.state, "checks": [c.name for c in vr.checks if c.ok],
+                       "sets": [{"name": s.name, "revision": s.revision, "state": s.state}
+                                for s in st.sets]}
             if not vr.ok:
                 ph.result, ph.exit_code = FAIL, vr.exit_code
                 ph.detail = f"installed wheel is {vr.verdict}: {st.detail}"

@@ -471,3 +471,28 @@ def test_stack_commands_import_nothing_heavy(tmp_path, site, stack_root):
         r = cli(*args, *sp(site), patches=stack_root, env=env)
         assert r.rc == 0, (args, r.err)
     assert attempted(env) == []
+
+
+def test_ci_builds_installs_and_verifies_the_stack(tmp_path, wheel, stack_root):
+    """``ci --set TOP`` up to its verify phase, with a stand-in interpreter
+    (this one, plus an empty ``torch`` package so the up-front probe accepts
+    it): the stack is built, installed and classified patched with both sets.
+    The round-trip phase then fails, as it must without a real torch."""
+    fake = tmp_path / "faketorch"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text("")
+    py = tmp_path / "python"
+    py.write_text(f'#!/bin/sh\nexport PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{fake}"\n'
+                  f'exec {sys.executable} "$@"\n')
+    py.chmod(0o755)
+    r = cli("ci", "--wheel", str(wheel), "--set", TOP, "--python", str(py), "--json",
+            "--check-timeout", "120", patches=stack_root)
+    phases = {p["phase"]: p for p in r.json["result"]["phases"]}
+    for name in ("resolve", "patch-set", "fetch", "build", "install", "verify"):
+        assert phases[name]["result"] == "pass", (name, phases[name]["detail"])
+    assert f"{sw.SET} revision 1 + {TOP} revision 1" in phases["patch-set"]["detail"]
+    assert r.json["result"]["wheel"]["version"] == f"{sw.VERSION}+{sw.SET}.r1.{TOP}.r1"
+    assert phases["verify"]["data"]["state"] == "patched"
+    assert [(x["name"], x["state"]) for x in phases["verify"]["data"]["sets"]] == [
+        (sw.SET, "patched"), (TOP, "patched")]
+    assert phases["roundtrip"]["result"] in ("fail", "error") and r.rc != 0
