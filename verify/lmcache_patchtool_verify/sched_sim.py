@@ -366,6 +366,7 @@ class Divergence:
     """Per step, the connector's tracked block ids against vLLM's."""
 
     steps: int = 0
+    diverged: int = 0  # (step, request) pairs whose tracked ids differ from either view
     compared: int = 0  # (step, request) pairs compared with the manager's lists
     compared_block_state: int = 0  # ... with kv_connector_block_state (0.30+)
     counts: dict[str, int] = field(default_factory=dict)
@@ -380,8 +381,7 @@ class Divergence:
     def summary(self) -> dict[str, Any]:
         return {"divergence_steps": self.steps, "divergence_compared": self.compared,
                 "divergence_compared_block_state": self.compared_block_state,
-                "divergences": self.counts.get("manager", 0)
-                + self.counts.get("block_state", 0),
+                "divergences": self.diverged,
                 "divergence_counts": dict(self.counts),
                 "divergence_examples": self.examples}
 
@@ -510,18 +510,19 @@ class Sim:
             tracked = [list(tracker.allocated_block_ids.get(g, ()))
                        for g in range(len(vllm_lists))]
             d.compared += 1
-            if tracked != vllm_lists:
+            diverged = tracked != vllm_lists
+            if diverged:
                 d.add("manager", self.phase.steps, rid, tracked, vllm_lists)
-            if block_state is not None:
-                state = block_state.get_block_ids(rid)
-                if state is None:
-                    continue  # not scheduled this step: not offered
+            state = block_state.get_block_ids(rid) if block_state is not None else None
+            if state is not None:  # None: not scheduled this step, not offered
                 state = [list(g) for g in state]
                 d.compared_block_state += 1
                 if tracked != state:
+                    diverged = True
                     d.add("block_state", self.phase.steps, rid, tracked, state)
                 if state != vllm_lists:
                     d.add("block_state_vs_manager", self.phase.steps, rid, state, vllm_lists)
+            d.diverged += diverged
 
     def _lookup(self, tokens: list[int]) -> int:
         return self.server.hit(Digests().of("lookup", tokens))[0]
