@@ -273,7 +273,13 @@ def cmd_revert(args) -> int:
         res = actions.revert(target, pset, st, dry_run=args.dry_run, layers=layers,
                              only=args.set_name)
         if res.action == "reverted":
-            res.state_after = classify(disc, pset, stack=layers).state
+            # What is left is judged as the set now on top (after peeling
+            # engine-driven: hybrid-fa patched), not as the peeled set.
+            names = [p.name for p in layers]
+            left = res.remaining[-1] if res.remaining and res.remaining[-1] in names else None
+            after = layers[names.index(left)] if left else pset
+            res.state_after = classify(disc, after, stack=layers[:names.index(left) + 1]
+                                       if left else layers).state
     return _emit(args, "revert", res)
 
 

@@ -18,7 +18,7 @@ from .applier import ALREADY, APPLIES, FileResult, Patch, apply_series, unapply_
 from .errors import Refusal, TargetStateRefusal
 from .exitcodes import ExitCode
 from .fsio import Reader
-from .manifest import FileHash, PatchSetDir
+from .manifest import STATE_PATCH, FileHash, PatchSetDir
 from .record import Record, RecordRow
 from .state import LAYER_ORIGINALS, ORIGINALS, STATE_FILE, InstallState, LayerState, SavedFile
 from .target import Target
@@ -383,6 +383,9 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
     originals: list[Change] = []
     changed: dict[str, bytes] = {}
     for i, layer in enumerate(stack):
+        if len(stack) > 1 and layer.manifest.state != STATE_PATCH:
+            entries.append(None)  # a fixed-upstream requirement: nothing to apply or record
+            continue
         st_i = status if len(layers) == 1 else _layer_status(discovery, stack, i, overlay)
         k = k_top if i == sel else len(layer.manifest.patches)
         saved = state.layer(layer.name) if state is not None else None
@@ -417,7 +420,7 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
     # A layer already patched before this run but without a record (its
     # state was lost) gets one now, or revert could not peel it.
     for i, layer in enumerate(stack):
-        if entries[i] is None:
+        if entries[i] is None and layer.manifest.state == STATE_PATCH:
             return plan.refuse(Refusal(target.state_dir / STATE_FILE, f"has no record of "
                                        f"{layer.name}, which is applied under "
                                        f"{stack[-1].name}; revert or reinstall lmcache=="

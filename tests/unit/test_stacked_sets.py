@@ -324,6 +324,7 @@ def test_revert_set_top_leaves_exactly_the_base_install(tmp_path, site, fresh_si
     r = cli("revert", *sp(site), "--set", TOP, "--json", patches=stack_root)
     assert r.rc == 0, r.err
     assert r.json["result"]["sets"] == [TOP] and r.json["result"]["remaining"] == [sw.SET]
+    assert r.json["result"]["state_after"] == "patched"  # the base, now the top of the stack
     # files, RECORD and the tool's state (v1 again): what applying the base alone leaves
     assert whole_tree(site) == whole_tree(base_only)
     st = status(site, stack_root, "--set", TOP)
@@ -496,3 +497,27 @@ def test_ci_builds_installs_and_verifies_the_stack(tmp_path, wheel, stack_root):
     assert [(x["name"], x["state"]) for x in phases["verify"]["data"]["sets"]] == [
         (sw.SET, "patched"), (TOP, "patched")]
     assert phases["roundtrip"]["result"] in ("fail", "error") and r.rc != 0
+
+
+def test_stack_over_a_fixed_upstream_base(tmp_path, site, fresh_site, wheel):
+    """A required set that is fixed upstream for this version edits nothing:
+    the stacked set applies over the wheel's files, and is all the wheel's
+    local version names."""
+    root = tmp_path / "p"
+    (root / sw.SET / sw.VERSION).mkdir(parents=True)
+    sw.manifest_build(root / sw.SET / sw.VERSION, wheel, "--fixed-upstream", "fixed in 9.9.9")
+    files = sw.wheel_files(wheel)
+    d = sw.write_series(root / TOP / sw.VERSION, files,
+                        [("01-over.patch", {F1: sw.insert_after(files[F1], 70, b"# over")})])
+    sw.manifest_build(d, wheel, "--requires", sw.SET)
+    r = cli("apply", *sp(site), "--set", TOP, patches=root)
+    assert r.rc == 0, r.err
+    st = status(site, root, "--set", TOP)
+    assert st["state"] == "patched"
+    assert set_states(st) == {sw.SET: "fixed-upstream", TOP: "patched"}
+    assert cli("verify", *sp(site), "--set", TOP, patches=root).rc == 0
+    w = cli("wheel", "--from", str(wheel), "--set", TOP, "-o", str(tmp_path / "d"), "--json",
+            patches=root)
+    assert w.rc == 0 and w.json["result"]["version"] == f"{sw.VERSION}+{TOP}.r1", w.err
+    assert cli("revert", *sp(site), patches=root).rc == 0
+    assert whole_tree(site) == whole_tree(fresh_site)
