@@ -238,6 +238,23 @@ def test_older_base_revision_is_upgraded_under_the_stack(tmp_path, site, fresh_s
     assert whole_tree(site) == whole_tree(fresh_site)
 
 
+def test_stacked_set_keeps_its_base_disk_tier_keys(tmp_path, site, patch_root, wheel):
+    """A base that writes namespaced keys (l2_format 1): a stacked manifest
+    built without --l2-format inherits it, and the stacked install reports
+    kvl1 keys with the namespaced note, not the discard warning."""
+    root = Path(shutil.copytree(patch_root, tmp_path / "p"))
+    sw.manifest_build(root / sw.SET / sw.VERSION, wheel, "--l2-format", "1")
+    make_stack(root, wheel)
+    assert manifest(root, TOP)["l2_format"] == 1
+    r = cli("apply", *sp(site), "--set", TOP, "--json", patches=root)
+    assert r.rc == 0, r.err
+    assert [n.startswith("disk-tier keys kvl1") for n in r.json["result"]["notes"]] == [True]
+    st = status(site, root)
+    assert st["disk_tier_keys"] == "kvl1"
+    assert any(n.startswith("disk-tier keys kvl1") for n in st["notes"])
+    assert not any(n.startswith("disk-tier data written before") for n in st["notes"])
+
+
 # ------------------------------------------------------------------ one transaction, crashes
 
 
@@ -274,14 +291,15 @@ def test_kill_at_every_write_of_a_stack_apply_recovers_the_before_state(tmp_path
         ["pristine"] * seen.count("pristine"), seen
 
 
-@pytest.mark.parametrize("command", ["apply", "revert"])
+@pytest.mark.parametrize("command", ["apply", "revert", "revert-top"])
 def test_kill_stack_over_an_applied_base_and_revert(tmp_path, fresh_site, stack_root, command):
-    """apply --set TOP over an applied base, and revert of the whole stack,
-    killed at sampled writes: the next command restores the before-state."""
+    """apply --set TOP over an applied base, revert of the whole stack and
+    revert --set TOP, killed at sampled writes: the next command finds the
+    before-state or (past the commit point) the after-state, exactly."""
     base = sw.copy_site(fresh_site, tmp_path / "base")
-    first = ["apply", *sp(base)] + (["--set", TOP] if command == "revert" else [])
+    first = ["apply", *sp(base)] + (["--set", TOP] if command != "apply" else [])
     assert cli(*first, patches=stack_root).rc == 0
-    args = [command, *sp(base)] + (["--set", TOP] if command == "apply" else [])
+    args = [command.split("-")[0], *sp(base)] + (["--set", TOP] if command != "revert" else [])
     before = whole_tree(base)
     done = sw.copy_site(base, tmp_path / "done")
     assert cli(args[0], *sp(done), *args[3:], patches=stack_root).rc == 0
