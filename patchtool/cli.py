@@ -175,7 +175,7 @@ def _session(args, *, writes: bool) -> Iterator[tuple]:
         if set_hint and wheel_build_info(t) is None and not (root / set_hint).is_dir():
             set_hint = None  # the state names a set no longer shipped
         pset = find_patch_set(root, version, args.set_name or set_hint)
-        return pset, for_install(root, pset, recorded_sets(t))
+        return pset, for_install(root, pset, recorded_sets(t), t.site)
 
     if not writes and not needs_recovery(t.state_dir):
         # Nothing to recover: a reader needs no lock (and works on a site dir

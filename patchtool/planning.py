@@ -515,9 +515,16 @@ def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
             housekeeping.append(Change(target.state_dir / STATE_FILE, None))
         # A file a peeled layer shares with a kept one: its restored bytes are
         # the kept layer's post-image, so nothing to delete for it there.
+    elif layers and len(layers) > 1 and status.problem is None and \
+            any(s.state in (C.PATCHED, C.PARTIAL) for s in status.sets):
+        # A stack without saved state: reverse each applied layer's series,
+        # top first, over the layers above it already reversed in memory.
+        res.source = "reverse patch"
+        err = _reverse_stack(target, layers, status, reader, only, restore, new_rows, res)
+        if err is not None:
+            return plan.refuse(err)
     elif status.state in (C.PATCHED, C.PARTIAL) and pset is not None and \
-            not (layers and len(layers) > 1 and any(s.state != "pristine"
-                                                    for s in status.sets[:-1])):
+            not (layers and len(layers) > 1):
         # No saved state (deleted by hand): reverse the series in memory and
         # accept the result only where it reproduces the wheel's hashes.
         res.source = "reverse patch"
@@ -569,3 +576,48 @@ def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
     res.removed_pyc = [str(c.path.relative_to(target.site)) for c in pyc]
     plan.changes = changes + housekeeping + pyc
     return plan
+
+
+def _reverse_stack(target: Target, layers: list[PatchSetDir], status: C.Status, reader: Reader,
+                   only: str | None, restore: dict[str, bytes], new_rows: dict[str, RecordRow],
+                   res: RevertResult) -> Refusal | None:
+    """Peel a stack whose state was lost: each applied layer's series is
+    reversed (top first) and accepted only where it gives that layer's
+    pre-images; RECORD rows are rebuilt from those hashes, as apply writes
+    them.  Fills ``restore``/``new_rows``; returns the refusal, if any."""
+    by_name = {s.name: s for s in status.sets}
+    applied = [p for p in layers if p.manifest.state == STATE_PATCH
+               and by_name[p.name].state in (C.PATCHED, C.PARTIAL)]
+    peel = list(reversed(applied))
+    if only is not None:
+        if only not in [p.name for p in applied]:
+            return Refusal(target.dist_info, f"{only} is not applied")
+        if only != peel[0].name:
+            return Refusal(target.dist_info, f"{only} is required by the applied set "
+                           f"{peel[0].name}; revert --set {peel[0].name} first, or revert "
+                           "without --set to peel every set")
+        peel = peel[:1]
+    for r in _links(target, sorted({f for p in peel for f in p.manifest.files}), reader):
+        return r
+    overlay = Overlay(reader)
+    for layer in peel:
+        m, st = layer.manifest, by_name[layer.name]
+        k = len(m.patches) if st.state == C.PATCHED else \
+            m.step_ids().index(st.applied_through) + 1
+        current = {p: overlay.read(target.site / p) for p in m.files}
+        rev = unapply_series(layer.load_patches(k), lambda p: current.get(p))
+        for path in m.files:
+            pre = m.hash_after(path, 0)
+            data = current[path]
+            if data is not None and FileHash.of(data) == pre:
+                continue
+            out = rev.files.get(path)
+            if out is None or FileHash.of(out) != pre:
+                return Refusal(target.site / path, f"reversing {layer.name} does not give its "
+                               "pre-image; reinstall lmcache instead")
+            overlay.pending[target.site / path] = out
+            restore[path] = out
+            new_rows[path] = RecordRow(path, pre.hash, str(pre.size))  # a lower layer's wins
+    res.sets = [p.name for p in peel]
+    res.remaining = [p.name for p in applied[:len(applied) - len(peel)]]
+    return None

@@ -244,14 +244,21 @@ def l2_format(layers: list[PatchSetDir]) -> int | None:
                  if p.manifest.l2_format is not None), None)
 
 
-def for_install(root: Path, pset: PatchSetDir | None, recorded: list[str]) -> list[PatchSetDir]:
+def for_install(root: Path, pset: PatchSetDir | None, recorded: list[str],
+                site: Path | None = None) -> list[PatchSetDir]:
     """The layers to classify an install by: ``pset``'s stack, extended by
     the sets the install records above it (state or provenance), so that a
-    lower set is judged knowing what was stacked on it."""
+    lower set is judged knowing what was stacked on it.  With no record (the
+    state was deleted), by a set stacked on ``pset`` whose series has visibly
+    been applied to ``site``."""
     if pset is None:
         return []
     layers = resolve(root, pset)
     names = [p.name for p in layers]
+    if not recorded and site is not None:
+        above = _applied_above(root, layers, site)
+        if above is not None:
+            recorded = [p.name for p in above]
     if len(recorded) > len(layers) and recorded[:len(layers)] == names:
         try:
             d = root / recorded[-1] / pset.version
@@ -261,3 +268,28 @@ def for_install(root: Path, pset: PatchSetDir | None, recorded: list[str]) -> li
         if ext is not None and [p.name for p in ext[:len(layers)]] == names:
             layers = ext
     return layers
+
+
+def _applied_above(root: Path, layers: list[PatchSetDir], site: Path
+                   ) -> list[PatchSetDir] | None:
+    """The stack of a set requiring ``layers``' top one, when one of its
+    files holds a step of its series (not its pre-image); else None."""
+    from .fsio import read_file
+    from .manifest import catalog, load_manifest
+
+    top = layers[-1]
+    for name, version, d in catalog(root):
+        if version != top.version or name == top.name or not (d / MANIFEST_NAME).exists():
+            continue
+        try:
+            if top.name not in load_manifest(d / MANIFEST_NAME).requires:
+                continue
+            stack = resolve(root, open_patch_set(d))
+        except Refusal:
+            continue  # a broken candidate is not evidence of anything
+        m = stack[-1].manifest
+        for path in m.files:
+            data = read_file(site / path)
+            if data is not None and any(k > 0 for k in _steps(m, path, FileHash.of(data))):
+                return stack
+    return None

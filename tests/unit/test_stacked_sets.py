@@ -352,6 +352,28 @@ def test_revert_set_top_leaves_exactly_the_base_install(tmp_path, site, fresh_si
     assert whole_tree(site) == whole_tree(fresh_site)
 
 
+def test_revert_without_saved_state_reverses_each_layer(tmp_path, site, fresh_site, stack_root):
+    """The state dir deleted by hand: revert --set TOP reverses the stacked
+    series over the base and checks each result against the pre-images;
+    then the base is reverted as an unstacked set is."""
+    base_only = sw.copy_site(fresh_site, tmp_path / "base-only")
+    assert cli("apply", *sp(base_only), patches=stack_root).rc == 0
+    assert cli("apply", *sp(site), "--set", TOP, patches=stack_root).rc == 0
+    shutil.rmtree(site / STATE_DIR)
+    before = whole_tree(site)
+    r = cli("revert", *sp(site), "--set", sw.SET, patches=stack_root)
+    one_line(r, 3, next(site.glob("lmcache-*.dist-info")), f"required by the applied set {TOP}")
+    assert whole_tree(site) == before
+    r = cli("revert", *sp(site), "--set", TOP, "--json", patches=stack_root)
+    assert r.rc == 0, r.err
+    res = r.json["result"]
+    assert res["source"] == "reverse patch" and res["sets"] == [TOP]
+    assert res["restored_files"] == sorted([F1, F2, UNTOUCHED])
+    assert tree_hashes(site, SKIP) == tree_hashes(base_only, SKIP)  # files and RECORD
+    assert cli("revert", *sp(site), patches=stack_root).rc == 0
+    assert whole_tree(site) == whole_tree(fresh_site)
+
+
 def test_revert_set_that_is_not_the_top_is_refused(site, stack_root):
     assert cli("apply", *sp(site), "--set", TOP, patches=stack_root).rc == 0
     before = whole_tree(site)
