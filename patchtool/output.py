@@ -144,7 +144,7 @@ def _render_revert(console, r) -> None:
     files = ", ".join(r.restored_files) or "none"
     verb = {"reverted": "restored", "dry-run": "would restore", "no-op": "nothing to revert"}[r.action]
     console.print(f"lmcache {r.lmcache_version}: {verb} ({files}) from {r.source}")
-    if r.sets and r.action != "no-op":
+    if len(r.sets) + len(r.remaining) > 1 and r.action != "no-op":  # a stack
         left = ", ".join(r.remaining) or "none"
         console.print(f"sets        : peeled {', '.join(r.sets)}; still applied: {left}")
     if r.state_after:
