@@ -347,8 +347,8 @@ def test_revert_set_top_leaves_exactly_the_base_install(tmp_path, site, fresh_si
     assert whole_tree(site) == whole_tree(base_only)
     st = status(site, stack_root, "--set", TOP)
     assert set_states(st) == {sw.SET: "patched", TOP: "pristine"}
-    human = cli("revert", *sp(site), patches=stack_root)
-    assert human.rc == 0 and f"peeled {sw.SET}; still applied: none" in human.out
+    human = cli("revert", *sp(site), patches=stack_root)  # one set left: today's output
+    assert human.rc == 0 and "peeled" not in human.out
     assert whole_tree(site) == whole_tree(fresh_site)
 
 
@@ -383,6 +383,9 @@ def test_revert_set_that_is_not_the_top_is_refused(site, stack_root):
     r = cli("revert", *sp(site), "--set", sw.SET, "--json", patches=stack_root)
     assert r.rc == 3 and r.json["error"]["exit_code"] == 3
     assert whole_tree(site) == before
+    human = cli("revert", *sp(site), "--set", TOP, patches=stack_root)
+    assert human.rc == 0 and f"peeled {TOP}; still applied: {sw.SET}" in human.out
+    assert "state       : patched" in human.out
 
 
 def test_revert_set_that_is_not_applied_is_refused(site, stack_root):
