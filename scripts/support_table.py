@@ -93,6 +93,7 @@ def _render_cells(columns: list[str], cells_: list) -> str:
     if notes:
         lines.append("")
         lines += [f"{i}. {n}" for i, n in enumerate(notes, 1)]
+    lines += ["", "A vLLM version without a column has no evidence here: not verified."]
     return "\n".join(lines)
 
 

@@ -113,9 +113,18 @@ def _geometry_check(doc: dict | None, lm: str, vllm: str, patches_root: Path) ->
         if p is None:
             return f"preset {name} was not run"
         if not p["harness"]["pass"]:
-            reasons = [r for c in p["harness"]["cells"] for r in (c.get("reasons") or [])]
-            first = (reasons[0] if reasons else "failed").split("\n")[0][:90]
-            return f"harness fails {name} patched ({first})"
+            pristine_fails = not pristine["presets"].get(name, {}).get("harness", {}).get(
+                "pass", True)
+            if p.get("gdn_view") == "0.30" and pristine_fails:
+                # The same refusal pristine and patched: a limit of LMCache's
+                # CPU path, not of the fix (the errors are in the evidence).
+                return (f"{name} (vLLM 0.30+'s GDN view) fails pristine and patched: "
+                        "LMCache's CPU path refuses that view (docs/ports.md); a GPU run decides")
+            cells_ = p["harness"]["cells"]
+            errors = [c["error"] for c in cells_ if c.get("error")]
+            reasons = [r for c in cells_ for r in (c.get("reasons") or [])]
+            first = (errors or [", ".join(dict.fromkeys(reasons)) or "failed"])[0]
+            return f"harness fails {name} patched: {first.splitlines()[0][:120]}"
         if p["gate"]["verdict"] not in ("pass", "not-run"):
             return f"CPU restore gate fails {name} patched"
         if p["gate"]["verdict"] == "not-run" and p["gdn_view"] != "0.30":
@@ -144,7 +153,10 @@ def _sched_check(rows: dict, lm: str, vllm: str) -> str | None:
                       ("wrong_state_hits", "wrong-state hits")):
         if patched.get(key, 1):
             return f"scheduler simulation: {patched.get(key)} {what} patched"
-    if pristine is not None and not pristine.get("bug_shows", True):
+    # bug_shows: True/False where a scenario the bug applies to ran; None where
+    # none did (0.5.3 refuses multi-block prefill steps): then the geometry
+    # evidence alone must tell pristine from patched.
+    if pristine is not None and pristine.get("bug_shows") is False:
         return "scheduler simulation: pristine shows no bug where it applies"
     return None
 

@@ -106,6 +106,10 @@ def test_pristine_without_the_bug_denies(ev):
         d["sched"]["cells"][1]["bug_shows"] = False
     assert "pristine shows no bug" in ev(m)[OLD].why
 
+    def none_ran(d):  # no scenario the bug applies to (0.5.3): geometry decides
+        d["sched"]["cells"][1]["bug_shows"] = None
+    assert ev(none_ran)[OLD].status == "CPU"
+
 
 def test_geometry_checks(ev):
     def fail_576(d):
@@ -113,7 +117,15 @@ def test_geometry_checks(ev):
             _preset(False)["harness"]
     cells = ev(fail_576)
     assert cells[OLD].status == "CPU"  # 0.27 registers no 576-v030
-    assert cells[NEW].status == "-" and "harness fails qwen35-bs576-v030 patched" in cells[NEW].why
+    assert cells[NEW].status == "-" and cells[NEW].why.startswith(
+        "qwen35-bs576-v030 (vLLM 0.30+'s GDN view) fails pristine and patched")
+
+    def fail_576_patched_only(d):
+        fail_576(d)
+        d["geometry"]["cells"][1]["presets"]["qwen35-bs576-v030"]["harness"] = \
+            _preset(True)["harness"]
+    assert ev(fail_576_patched_only)[NEW].why == \
+        "harness fails qwen35-bs576-v030 patched: FA bytes differ"
 
     def gate_fail(d):
         d["geometry"]["cells"][0]["presets"]["qwen35-0.8b"]["gate"]["verdict"] = "fail"
