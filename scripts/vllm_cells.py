@@ -141,12 +141,14 @@ def _sched_rows(doc: dict | None) -> dict[tuple[str, str, str], dict]:
     return {(c["lmcache"], c["vllm"], c["build"]): c for c in doc.get("cells", [])}
 
 
-def _sched_check(rows: dict, lm: str, vllm: str) -> str | None:
+def _sched_check(rows: dict, lm: str, vllm: str, patches_root: Path) -> str | None:
     if not rows:
         return f"no scheduler evidence ({SCHED.relative_to(REPO)})"
     patched, pristine = rows.get((lm, vllm, "patched")), rows.get((lm, vllm, "pristine"))
     if patched is None:
         return "the scheduler simulation was not run for this pair"
+    if patched.get("series_sha256") != series_sha256(lm, patches_root):
+        return "scheduler evidence predates the shipped series (re-run sched_matrix --vllm ...)"
     if not patched.get("constructed", False):
         return f"the patched connector does not construct ({patched.get('reason', '?')})"
     for key, what in (("divergences", "block-id divergences"), ("wrong_stores", "wrong-block stores"),
@@ -193,7 +195,7 @@ def cells(lmcache_versions: list[str], patches_root: Path = REPO / "patches",
     out = []
     for lm in lmcache_versions:
         for v in columns:
-            why = _sched_check(rows, lm, v) or _geometry_check(geometry, lm, v, patches_root)
+            why = _sched_check(rows, lm, v, patches_root) or _geometry_check(geometry, lm, v, patches_root)
             if why is not None:
                 out.append(Cell(lm, v, "-", why))
             elif _gpu_verified(lm, v, results):

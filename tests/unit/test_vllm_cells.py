@@ -40,10 +40,12 @@ def _geometry(patches_root: Path) -> dict:
         {"lmcache": LM, "build": "pristine", "series_sha256": None, "presets": pristine}]}
 
 
-def _sched() -> dict:
+def _sched(patches_root: Path) -> dict:
     rows = []
+    sha = vllm_cells.series_sha256(LM, patches_root)
     for v in (OLD, NEW):
         rows.append({"lmcache": LM, "vllm": v, "build": "patched", "constructed": True,
+                     "series_sha256": sha,
                      "divergences": 0, "wrong_stores": 0, "wrong_state_hits": 0})
         rows.append({"lmcache": LM, "vllm": v, "build": "pristine", "constructed": True,
                      "divergences": 0, "wrong_stores": 3, "wrong_state_hits": 1,
@@ -58,7 +60,7 @@ def ev(tmp_path):
     (root / "hybrid-fa" / LM / "01-a.patch").write_text("--- a\n+++ b\n")
     results = tmp_path / "results"
     results.mkdir()
-    docs = {"geometry": _geometry(root), "sched": _sched()}
+    docs = {"geometry": _geometry(root), "sched": _sched(root)}
 
     def run(mutate=None) -> dict[str, vllm_cells.Cell]:
         d = copy.deepcopy(docs)
@@ -141,7 +143,12 @@ def test_geometry_checks(ev):
 def test_stale_series_denies(ev):
     (ev.root / "hybrid-fa" / LM / "02-b.patch").write_text("--- a\n+++ b\n")
     cells = ev()
-    assert all(c.status == "-" and "predates the shipped series" in c.why for c in cells.values())
+    assert all(c.status == "-" and "evidence predates the shipped series" in c.why
+               for c in cells.values())
+
+    def geometry_fresh(d):  # the scheduler evidence alone is stale: still denied
+        d["geometry"]["cells"][0]["series_sha256"] = vllm_cells.series_sha256(LM, ev.root)
+    assert all(c.why.startswith("scheduler evidence predates") for c in ev(geometry_fresh).values())
 
 
 def test_gpu_needs_a_real_patched_pass(ev):
