@@ -2,7 +2,9 @@
 """Scheduler-faithful simulation of hybrid (Mamba align + FA) caching through
 LMCache: correctness AND usefulness of what the connector stores.
 
-REAL: vLLM 0.27.1's ``Scheduler`` (``schedule()``, ``update_from_output()``,
+REAL: the installed vLLM's ``Scheduler`` (0.27.1 by default; 0.28.0, 0.30.0
+and 0.33.0 with their own features on, :func:`vllm_features`: 0.33's prefill
+checkpoint blocks at N = 576; ``schedule()``, ``update_from_output()``,
 ``update_draft_token_ids()``, its ``KVCacheManager``/``BlockPool``/
 ``MambaManager`` in align mode, ``_mamba_block_aligned_split``, preemption on a
 full pool) with real ``SchedulerConfig``/``CacheConfig`` objects, and LMCache's
@@ -19,7 +21,9 @@ second request (same prompt, a prefix ending inside a prefill step, a prefix
 diverging mid-chunk, a follow-up turn) is measured against the stored chunks
 (hit vs ideal) and also run through a restarted vLLM and connector against the
 same server, which says where vLLM really starts and whether from the true
-SSM state.  docs/scheduler-sim.md has the definitions and the measured tables.  The rest of
+SSM state.  Every step, the block ids the connector tracks are compared with
+vLLM's (``divergences``; :meth:`Sim._compare_block_ids`).
+docs/scheduler-sim.md has the definitions and the measured tables.  The rest of
 ``VllmConfig`` is a stand-in namespace carrying the fields the Scheduler and
 the connector read (a real ``VllmConfig`` cannot be built on a CPU-only
 machine), with ``VllmConfig``'s own property code for the derived values.

@@ -5,7 +5,10 @@ No vLLM or LMCache import here: the scheduler side (real vLLM) hands in each
 step's ``SchedulerOutput`` and the fake model runner's acceptance decisions;
 this module replays what vLLM 0.27.1's V1 GPU worker does with them
 (``gpu_model_runner._update_states``, ``mamba_utils.preprocess_mamba``, the GDN
-kernels' state indices in ``gdn_attn``, ``postprocess_mamba_align_gpu``).
+kernels' state indices in ``gdn_attn``, ``postprocess_mamba_align_gpu``), plus
+the zeroing of new attention blocks and the queued block copies, and vLLM
+0.33's prefill checkpoint export (``checkpoints``: the state at the internal
+checkpoint written into the block at its column).
 
 Contents are identified by token-prefix digests (:class:`Digests`), so a block
 written by one request is recognised as correct for any other request whose
