@@ -11,6 +11,8 @@ disagree.  Nothing here writes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 from . import __version__
 from . import classify as C
@@ -534,21 +536,14 @@ def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
             plan.refuse(r)
         if plan.refusals:
             return plan
-        k = len(m.patches) if status.state == C.PATCHED else \
-            m.step_ids().index(status.applied_through) + 1
-        current = {p: reader.read(target.site / p) for p in m.files}
-        rev = unapply_series(pset.load_patches(k), lambda p: current.get(p))
-        for path in m.files:
+        out, bad = _reverse_layer(target, pset, status.state, status.applied_through,
+                                  reader.read)
+        for path in bad:
+            plan.refuse(Refusal(target.site / path, "reversing the series does not give "
+                                "the wheel's file; reinstall lmcache instead"))
+        for path, data in out.items():
             pre = m.hash_after(path, 0)
-            data = current[path]
-            if data is not None and FileHash.of(data) == pre:
-                continue
-            out = rev.files.get(path)
-            if out is None or FileHash.of(out) != pre:
-                plan.refuse(Refusal(target.site / path, "reversing the series does not give "
-                                    "the wheel's file; reinstall lmcache instead"))
-                continue
-            restore[path] = out
+            restore[path] = data
             new_rows[path] = RecordRow(path, pre.hash, str(pre.size))
     elif status.state in (C.PRISTINE, C.UNSUPPORTED, C.FIXED_UPSTREAM, C.NOT_INSTALLED):
         if state is not None:  # stale state of another lmcache version
@@ -578,6 +573,32 @@ def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
     return plan
 
 
+def _reverse_layer(target: Target, layer: PatchSetDir, state: str,
+                   applied_through: str | None,
+                   read: Callable[[Path], bytes | None]) -> tuple[dict[str, bytes], list[str]]:
+    """Reverse ``layer``'s applied patches in memory over what ``read`` gives.
+    Returns the restored bytes of every file not already at the layer's
+    pre-image, and the files where reversing does not give that pre-image
+    (the caller refuses those: never guess)."""
+    m = layer.manifest
+    k = len(m.patches) if state == C.PATCHED else m.step_ids().index(applied_through) + 1
+    current = {p: read(target.site / p) for p in m.files}
+    rev = unapply_series(layer.load_patches(k), lambda p: current.get(p))
+    out: dict[str, bytes] = {}
+    bad: list[str] = []
+    for path in m.files:
+        pre = m.hash_after(path, 0)
+        data = current[path]
+        if data is not None and FileHash.of(data) == pre:
+            continue
+        got = rev.files.get(path)
+        if got is None or FileHash.of(got) != pre:
+            bad.append(path)
+        else:
+            out[path] = got
+    return out, bad
+
+
 def _reverse_stack(target: Target, layers: list[PatchSetDir], status: C.Status, reader: Reader,
                    only: str | None, restore: dict[str, bytes], new_rows: dict[str, RecordRow],
                    res: RevertResult) -> Refusal | None:
@@ -602,21 +623,14 @@ def _reverse_stack(target: Target, layers: list[PatchSetDir], status: C.Status, 
     overlay = Overlay(reader)
     for layer in peel:
         m, st = layer.manifest, by_name[layer.name]
-        k = len(m.patches) if st.state == C.PATCHED else \
-            m.step_ids().index(st.applied_through) + 1
-        current = {p: overlay.read(target.site / p) for p in m.files}
-        rev = unapply_series(layer.load_patches(k), lambda p: current.get(p))
-        for path in m.files:
+        out, bad = _reverse_layer(target, layer, st.state, st.applied_through, overlay.read)
+        if bad:
+            return Refusal(target.site / bad[0], f"reversing {layer.name} does not give its "
+                           "pre-image; reinstall lmcache instead")
+        for path, data in out.items():
             pre = m.hash_after(path, 0)
-            data = current[path]
-            if data is not None and FileHash.of(data) == pre:
-                continue
-            out = rev.files.get(path)
-            if out is None or FileHash.of(out) != pre:
-                return Refusal(target.site / path, f"reversing {layer.name} does not give its "
-                               "pre-image; reinstall lmcache instead")
-            overlay.pending[target.site / path] = out
-            restore[path] = out
+            overlay.pending[target.site / path] = data
+            restore[path] = data
             new_rows[path] = RecordRow(path, pre.hash, str(pre.size))  # a lower layer's wins
     res.sets = [p.name for p in peel]
     res.remaining = [p.name for p in applied[:len(applied) - len(peel)]]

@@ -60,6 +60,21 @@ def revision1_root(tmp_path: Path, version: str) -> Path:
     return older_revision_root(tmp_path, version, 1)
 
 
+def upgrade_with_apply(py: str) -> dict:
+    """An older-revision install as status, verify and apply see it: reported
+    with the exact next command, verify exits 9, apply upgrades it."""
+    st = cli("status", "--python", py, "--json").json["result"]
+    assert (st["state"], st["revision"]) == ("patched-older-revision", SHIPPED_REVISION), \
+        st["detail"]
+    assert st["next_command"] == f"patchtool apply --python {py}"
+    assert cli("verify", "--python", py).rc == 9
+    r = cli("apply", "--python", py, "--json")
+    assert r.rc == 0, r.err
+    res = r.json["result"]
+    assert (res["state_before"], res["state_after"]) == ("patched-older-revision", "patched")
+    return res
+
+
 @pytest.mark.parametrize("version", ["0.5.3", "0.5.4", "0.5.6"])
 def test_revision1_install_upgrades_with_apply(tmp_path, bare_envs, version):
     venv = copy_venv(bare_envs[version], tmp_path / "venv")
@@ -67,16 +82,7 @@ def test_revision1_install_upgrades_with_apply(tmp_path, bare_envs, version):
     fresh = tree_hashes(site_of(bare_envs[version]), SKIP)
     assert cli("apply", "--python", py, patches=revision1_root(tmp_path, version)).rc == 0
 
-    st = cli("status", "--python", py, "--json").json["result"]  # the shipped patches
-    assert (st["state"], st["revision"]) == ("patched-older-revision", SHIPPED_REVISION), \
-        st["detail"]
-    assert st["next_command"] == f"patchtool apply --python {py}"
-    assert cli("verify", "--python", py).rc == 9
-
-    r = cli("apply", "--python", py, "--json")
-    assert r.rc == 0, r.err
-    res = r.json["result"]
-    assert (res["state_before"], res["state_after"]) == ("patched-older-revision", "patched")
+    res = upgrade_with_apply(py)  # the shipped patches
     added = set(ADDED_BY_05) | (set(ADDED_BY_06) if version != "0.5.3" else set()) \
         | (set(ADDED_BY_07) if version != "0.5.6" else set()) \
         | set(ADDED_BY_08.get(version, ADDED_BY_08_DEFAULT))
@@ -99,16 +105,7 @@ def test_revision2_install_upgrades_with_apply(tmp_path, bare_envs, version):
                patches=older_revision_root(tmp_path, version, 2)).rc == 0
     r2_site = tree_hashes(site_of(venv), SKIP)
 
-    st = cli("status", "--python", py, "--json").json["result"]
-    assert (st["state"], st["revision"]) == ("patched-older-revision", SHIPPED_REVISION), \
-        st["detail"]
-    assert st["next_command"] == f"patchtool apply --python {py}"
-    assert cli("verify", "--python", py).rc == 9
-
-    r = cli("apply", "--python", py, "--json")
-    assert r.rc == 0, r.err
-    res = r.json["result"]
-    assert (res["state_before"], res["state_after"]) == ("patched-older-revision", "patched")
+    res = upgrade_with_apply(py)
     assert sorted(res["changed_files"]) == sorted(ADDED_BY_08.get(version, ADDED_BY_08_DEFAULT))
     r3_site = tree_hashes(site_of(venv), SKIP)
     changed = {p for p in set(r2_site) | set(r3_site) if r2_site.get(p) != r3_site.get(p)}
