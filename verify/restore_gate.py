@@ -61,6 +61,13 @@ EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 # on CPU by every LMCache version (docs/ports.md); name such a preset to run it.
 ALL_PRESETS = tuple(n for n, g in geometry.PRESETS.items() if g.gdn_view != "0.30")
 HEALTH_PATH = "/healthcheck"
+# What LMCache's engine-driven path raises for a multi-group (hybrid) model, in
+# transfer_context/worker_transfer.py: ``_single_group_block_ids`` at the first
+# store (0.5.3-0.5.5), or ``EngineDrivenTransferContext.register`` at
+# registration (0.5.6, before the store is reached).
+ENGINE_DRIVEN_REFUSALS = ("engine-driven transfer does not support hybrid KV cache groups",
+                          "engine-driven transfer does not support multiple KV transfer groups")
+TRANSFER_MODES = ("lmcache_driven", "engine_driven", "auto")
 _PREFETCH_LINE = re.compile(r"Prefetch request completed \(L1\+L2\): (\d+)/(\d+) retained keys "
                             r"\((\d+) L1, (\d+) L2\).*external_request_id=([^,\s)]+)")
 
@@ -121,6 +128,9 @@ class ServerSpec:
     l2_dir: Path
     workdir: Path
     host: str = "127.0.0.1"
+    # --transfer-mode: the server's --supported-transfer-mode (engine_driven:
+    # PREPARE/COMMIT only; auto: both modules; the gate's default lmcache_driven)
+    transfer_mode: str = "lmcache_driven"
 
     @property
     def zmq_url(self) -> str:
@@ -138,7 +148,7 @@ class ServerSpec:
                 "--chunk-size", str(self.chunk_size),
                 "--l1-size-gb", f"{self.l1_size_gb:g}",
                 "--eviction-policy", "LRU",
-                "--supported-transfer-mode", "lmcache_driven",
+                "--supported-transfer-mode", self.transfer_mode,
                 "--l2-adapter", l2]
 
 
@@ -352,7 +362,8 @@ class Gate:
         with self.phase(cycle, timing):
             for attempt in range(3):
                 zp, hp = procs.free_ports(2)
-                spec = ServerSpec(zp, hp, chunk, round(l1_gb, 2), l2_dir, workdir)
+                spec = ServerSpec(zp, hp, chunk, round(l1_gb, 2), l2_dir, workdir,
+                                  transfer_mode=self.args.transfer_mode)
                 server = launch_server(self.sup, spec, label)
                 cycle["servers"].append(server.describe())
                 self._import_client()  # torch + lmcache load while the server boots
@@ -594,6 +605,11 @@ class Gate:
             r.result["traceback"] = traceback.format_exc()
             self.d.step(f"{r.geo.name}: ERROR during {what}: {type(exc).__name__}: {exc}", None, False)
 
+    def _client_mode(self) -> dict[str, Any]:
+        """--transfer-mode for the clients (nothing: gate_client's own lmcache_driven)."""
+        mode = self.args.transfer_mode
+        return {} if mode == "lmcache_driven" else {"transfer_mode": mode}
+
     def _num_blocks(self, r: PresetRun, layout) -> int:
         return 1 + layout.num_groups * r.chunks * r.blocks_per_chunk + 2
 
@@ -616,7 +632,7 @@ class Gate:
         r.tokens = [rng.randrange(1, 150_000) for _ in range(r.stored_tokens + r.geo.tokens_per_block // 2)]
         t0 = time.monotonic()
         r.client1 = gc.Client(spec.zmq_url, r.model, r.layout, mq_timeout=args.step_timeout,
-                              heartbeat_interval=args.heartbeat_interval)
+                              heartbeat_interval=args.heartbeat_interval, **self._client_mode())
         caches = geometry.build_kv_caches(r.geo, r.num_blocks, fill=0)
         self._connector_edits(r, caches, "store")
         r.client1.register(caches)
@@ -640,7 +656,7 @@ class Gate:
         if r.layout is None:  # reader phase: the READER's connector sets the window fields
             r.layout = r.restore_layout = gc.Layout(r.geo, geometry.engine_group_infos(r.geo, args.window_rule))
         client = gc.Client(spec.zmq_url, r.model, r.restore_layout or r.layout, mq_timeout=args.step_timeout,
-                           heartbeat_interval=args.heartbeat_interval)
+                           heartbeat_interval=args.heartbeat_interval, **self._client_mode())
         try:
             caches = geometry.build_kv_caches(r.geo, r.num_blocks, fill=gc.POISON)
             self._connector_edits(r, caches, "restore")
@@ -835,6 +851,13 @@ class Gate:
                                    r.restore_layout.infos if r.restore_layout else None)}
         rep.update({k: v for k, v in r.result.items() if k != "traceback"})
         reasons: list[str] = []
+        if r.error and self.args.transfer_mode != "lmcache_driven" \
+                and any(m in r.error for m in ENGINE_DRIVEN_REFUSALS):
+            # The engine-driven path refusing a multi-group model: a loud
+            # failure (the pristine outcome), not an infrastructure error.
+            rep["verdict"], rep["loud_refusal"] = "fail", True
+            rep["reasons"] = [f"loud refusal ({r.error.splitlines()[0]})"]
+            return rep
         if r.error:
             rep["verdict"], rep["reasons"] = "error", [r.error]
             if "traceback" in r.result:
@@ -957,6 +980,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="--phase restore: a writer's state file (repeatable: writers use distinct model names)")
     ap.add_argument("--model-prefix", default="xver",
                     help="--phase store: model names are PREFIX-<preset>-<random> (no '@' or '+')")
+    ap.add_argument("--transfer-mode", choices=list(TRANSFER_MODES), default="lmcache_driven",
+                    help="server --supported-transfer-mode and the clients' lmcache.mp.mp_transfer_mode "
+                         "(default lmcache_driven; engine_driven: the worker gathers/scatters CPU bytes, "
+                         "PREPARE/COMMIT; auto: the server loads both modules and the clients pick by "
+                         "device, i.e. engine_driven on CPU); docs/design/engine-driven.md")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temporary directories (logs, L2 files)")
     ap.add_argument("--verbose", action="store_true", help="let lmcache's client-side logging through to stderr")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -1097,6 +1125,8 @@ def main(argv: list[str] | None = None) -> int:
                 pass
         timings = dict(gate.timings)
         timings["total"] = round(time.monotonic() - t_start, 3)
+        if args.transfer_mode != "lmcache_driven":
+            report["transfer_mode"] = args.transfer_mode
         report.update(verdict=verdict, exit_code=code, reason=reason, server=gate.server_info, timings=timings,
                       cycles=gate.cycles, presets=presets,
                       options={"chunks": args.chunks, "chunk_blocks": args.chunk_blocks, "chunk_size": args.chunk_size,

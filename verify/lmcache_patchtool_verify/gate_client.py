@@ -19,9 +19,12 @@ What vLLM's ``LMCacheMPConnector`` (lmcache 0.5.3,
   block ids per engine group are cut with LMCache's own
   ``slice_block_ids_per_group`` (``GetStoreMetadata``/``GetRetrieveMetadata``).
 
-The transfer mode is forced to ``lmcache_driven`` (on CPU the KV tensors are
+The transfer mode is ``lmcache_driven`` unless ``transfer_mode`` says otherwise
+(the restore gate's ``--transfer-mode``; on CPU ``engine_driven`` and ``auto``
+both give the worker-side gather/scatter path, docs/design/engine-driven.md).
+lmcache-driven: on CPU the KV tensors are
 migrated into POSIX shared memory at registration and the server maps the same
-pages, as with CUDA IPC on a GPU).  Registration re-points each tensor's storage
+pages, as with CUDA IPC on a GPU.  Registration re-points each tensor's storage
 at a fresh (zeroed) segment, so contents are written only AFTER registering.
 """
 
@@ -103,10 +106,10 @@ class Client:
     """One vLLM instance (TP=1): a scheduler adapter and a worker adapter."""
 
     def __init__(self, url: str, model: str, layout: Layout, *, mq_timeout: float,
-                 heartbeat_interval: float | None = None) -> None:
+                 heartbeat_interval: float | None = None, transfer_mode: str = "lmcache_driven") -> None:
         self.url, self.model, self.layout = url, model, layout
         extra: dict[str, Any] = {"lmcache.mp.mq_timeout": mq_timeout,
-                                 "lmcache.mp.mp_transfer_mode": "lmcache_driven"}
+                                 "lmcache.mp.mp_transfer_mode": transfer_mode}
         if heartbeat_interval is not None:
             extra["lmcache.mp.heartbeat_interval"] = heartbeat_interval
         self.extra_config = extra

@@ -1,0 +1,145 @@
+"""The CPU restore gate in engine-driven mode (``--transfer-mode engine_driven``:
+the server runs ``--supported-transfer-mode engine_driven``, the clients
+``lmcache.mp.mp_transfer_mode = engine_driven``; the worker gathers KV into CPU
+bytes and the server never maps the KV caches), pinned to what was measured on
+every released version, pristine and with the hybrid-fa series (revision 3,
+which does not touch this path). docs/design/engine-driven.md has the table and
+the code paths.
+
+* every hybrid preset (k = 17, k = 25, and the k = 1 hybrid control) fails
+  LOUDLY: 0.5.3-0.5.5 at the first store (``_single_group_block_ids``),
+  0.5.6 already at registration (``EngineDrivenTransferContext.register``);
+  the gate reports that as a ``fail`` with ``loud_refusal``, not an error;
+* pure attention k = 1 restores byte-exact from the fs L2 after a SIGKILL;
+* pure attention k = 2 (FlashInfer, ``--block-size 128``): engine-driven has
+  its own 1/k bug. 0.5.3, 0.5.5 and 0.5.6 store, find every chunk on disk after
+  the restart and report a successful retrieve, but no kernel page is right
+  and other blocks are overwritten (silent corruption); 0.5.4 refuses the
+  store (the server answers False, nothing reaches the disk).
+
+The fast tier runs 0.5.6 pristine (one hybrid, the pure k = 1 control); the
+rest is ``slow``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "verify"))
+
+import provision  # noqa: E402  (tests/conftest.py puts scripts/ on sys.path)
+from test_restore_gate import assert_clean_pass, by_preset, run_gate  # noqa: E402
+
+VERSIONS = ["0.5.3", "0.5.4", "0.5.5", "0.5.6"]
+HYBRIDS = ["qwen35-0.8b", "gdn-27b", "control-k1"]
+MODE = ("--transfer-mode", "engine_driven")
+
+
+def _python(version: str) -> Path:
+    return provision.runtime_env(version) / "bin" / "python"
+
+
+def _overlay(version: str, state: str) -> Path:
+    if state == "pristine":
+        return provision.overlay(version)
+    return provision.overlay(version, sorted((REPO / "patches" / "hybrid-fa" / version).glob("*.patch")))
+
+
+def _gate(version: str, state: str, presets: list[str]) -> dict[str, dict]:
+    proc, report, _ = run_gate(_python(version), _overlay(version, state), presets, *MODE,
+                               "--no-stay-alive", "--step-timeout", "20")
+    assert report["versions"]["lmcache"] == version
+    assert report["transfer_mode"] == "engine_driven"
+    assert "--supported-transfer-mode" in report["server"]["argv"]
+    argv = report["server"]["argv"]
+    assert argv[argv.index("--supported-transfer-mode") + 1] == "engine_driven"
+    assert proc.returncode == (0 if report["verdict"] == "pass" else 1), (report["reason"], proc.stderr[-3000:])
+    return by_preset(report)
+
+
+def assert_loud_refusal(p: dict, version: str) -> None:
+    """The hybrid's engine-driven refusal: a loud fail, nothing stored."""
+    assert p["verdict"] == "fail" and p.get("loud_refusal") is True, p["reasons"]
+    if version == "0.5.6":  # EngineDrivenTransferContext.register, before any store
+        assert "register+fill: ValueError: engine-driven transfer does not support multiple KV transfer groups" \
+            in p["reasons"][0], p["reasons"]
+        assert "stored" not in p
+    else:  # _single_group_block_ids at the first store
+        assert "store: RuntimeError: engine-driven transfer does not support hybrid KV cache groups" \
+            in p["reasons"][0], p["reasons"]
+        assert "on_disk" not in p  # the store raised: nothing was flushed for it
+    assert "after_restart" not in p
+
+
+def assert_k2_outcome(p: dict, version: str) -> None:
+    """Pure attention k = 2 in engine-driven mode: the path's own 1/k bug."""
+    assert p["verdict"] == "fail", p["reasons"]
+    assert not p.get("loud_refusal")
+    if version == "0.5.4":
+        # The store is refused (COMMIT_STORE answers False): nothing on disk, no hit.
+        assert p["stored"]["ok"] is False
+        assert p["on_disk"]["objects"] == 0
+        assert p["after_restart"]["hit_tokens"] == 0
+        assert p["reasons"][0] == "the server did not confirm the store"
+        return
+    # Silent corruption: stored, on disk, found after the restart, retrieve "ok", bytes wrong.
+    assert p["stored"]["ok"] is True and p["on_disk"]["objects"] == 3
+    ar = p["after_restart"]
+    assert ar["chunks_found"] == 3 and ar["l2_hits"] == 3
+    assert p["restored"]["retrieve"]["ok"] is True
+    fa = p["fidelity"]["fa"]
+    assert fa["pages_total"] == 24 and fa["pages_exact"] == 0
+    assert p["foreign_writes"]["bytes"] > 0
+    assert "wrong FA bytes" in p["reasons"][0]
+
+
+def test_engine_driven_056_pristine_hybrid_refused_k1_restores():
+    presets = _gate("0.5.6", "pristine", ["qwen35-0.8b", "pure-attn-k1"])
+    assert_loud_refusal(presets["qwen35-0.8b"], "0.5.6")
+    assert_clean_pass(presets["pure-attn-k1"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state", ["pristine", "patched"])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_engine_driven_outcomes(version, state):
+    presets = _gate(version, state, [*HYBRIDS, "pure-attn-bs128", "pure-attn-k1"])
+    for name in HYBRIDS:
+        assert_loud_refusal(presets[name], version)
+    assert_k2_outcome(presets["pure-attn-bs128"], version)
+    assert_clean_pass(presets["pure-attn-k1"])
+
+
+@pytest.mark.slow
+def test_engine_driven_objects_identical_to_lmcache_driven_k1(tmp_path):
+    """Issue 15 item 2's baseline: for pure attention k = 1 (the one geometry
+    every release runs in both modes) the fs L2 objects an engine-driven store
+    leaves are byte-identical to an lmcache-driven store's (same key but the
+    gate's per-run model name, same bytes)."""
+    import hashlib
+    import json
+    import shutil
+
+    digests = {}
+    for mode in ("lmcache_driven", "engine_driven"):
+        out = tmp_path / f"{mode}.json"
+        proc, report, _ = run_gate(_python("0.5.6"), _overlay("0.5.6", "pristine"), ["pure-attn-k1"],
+                                   "--transfer-mode", mode, "--no-stay-alive", "--keep-tmp",
+                                   "--json-out", str(out))
+        workdirs = [c["workdir"] for c in report["cycles"]]
+        try:
+            assert proc.returncode == 0, report["reason"]
+            model = report["presets"][0]["model_name"]
+            files = sorted(Path(workdirs[0], "l2").glob("*.data"))
+            assert len(files) == 3
+            digests[mode] = {f.name.replace(model, "MODEL"): hashlib.sha256(f.read_bytes()).hexdigest()
+                             for f in files}
+        finally:
+            for w in workdirs:
+                shutil.rmtree(w, ignore_errors=True)
+        json.loads(out.read_text())  # the report file was written
+    assert digests["engine_driven"] == digests["lmcache_driven"]
