@@ -141,5 +141,7 @@ def test_engine_driven_objects_identical_to_lmcache_driven_k1(tmp_path):
         finally:
             for w in workdirs:
                 shutil.rmtree(w, ignore_errors=True)
+            if report.get("client_log"):  # --keep-tmp keeps the client log too
+                Path(report["client_log"]).unlink(missing_ok=True)
         json.loads(out.read_text())  # the report file was written
     assert digests["engine_driven"] == digests["lmcache_driven"]
