@@ -37,7 +37,6 @@ series (a patch changed since the run).  Nothing here is typed by hand.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -51,6 +50,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "verify"))
 
 import provision  # noqa: E402
+from vllm_cells import series_sha256  # noqa: E402
 
 from lmcache_patchtool_verify import geometry  # noqa: E402
 
@@ -62,15 +62,6 @@ CELLS = ((1, 0), (2, 1))  # (chunk blocks, blocks skipped at retrieve)
 
 def series(version: str) -> list[Path]:
     return sorted((REPO / "patches" / "hybrid-fa" / version).glob("*.patch"))
-
-
-def series_sha256(version: str) -> str:
-    """What the table compares with the shipped series: the patch files'
-    bytes, in apply order, with their names."""
-    h = hashlib.sha256()
-    for p in series(version):
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()
 
 
 def _log(msg: str) -> None:

@@ -77,12 +77,18 @@ class Cell:
     why: str  # for "-": the first failed check; else what was checked
 
 
-def series_sha256(version: str, patches_root: Path = REPO / "patches") -> str:
-    """Must match scripts/geometry_evidence.py's."""
+def patches_sha256(patches: list[Path]) -> str:
+    """The one fingerprint every evidence file records of the patches it ran:
+    the files' names and bytes, in apply (file-name) order."""
     h = hashlib.sha256()
-    for p in sorted((patches_root / "hybrid-fa" / version).glob("*.patch")):
+    for p in sorted(patches):
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def series_sha256(version: str, patches_root: Path = REPO / "patches") -> str:
+    """The fingerprint of the hybrid-fa series shipped for ``version``."""
+    return patches_sha256(list((patches_root / "hybrid-fa" / version).glob("*.patch")))
 
 
 def _load(path: Path) -> dict | None:
@@ -180,10 +186,9 @@ def _gpu_verified(lm: str, vllm: str, results: Path) -> bool:
 # ------------------------------------------------------------------ cells
 
 
-def vllm_versions(geometry: dict | None, sched: dict | None) -> list[str]:
+def vllm_versions(rows: dict[tuple[str, str, str], dict]) -> list[str]:
     """The columns: every vLLM version the scheduler evidence ran."""
-    seen = {v for (_, v, _) in _sched_rows(sched)}
-    return sorted(seen, key=Version)
+    return sorted({v for (_, v, _) in rows}, key=Version)
 
 
 def cells(lmcache_versions: list[str], patches_root: Path = REPO / "patches",
@@ -191,7 +196,7 @@ def cells(lmcache_versions: list[str], patches_root: Path = REPO / "patches",
           results: Path = GPU_RESULTS) -> tuple[list[str], list[Cell]]:
     geometry, sched = _load(geometry_path), _load(sched_path)
     rows = _sched_rows(sched)
-    columns = vllm_versions(geometry, sched)
+    columns = vllm_versions(rows)
     out = []
     for lm in lmcache_versions:
         for v in columns:

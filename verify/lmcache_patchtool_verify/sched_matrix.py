@@ -95,7 +95,6 @@ Evidence schema (``--json FILE``; ``schema`` = :data:`SCHEMA`)::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -128,12 +127,11 @@ def series(version: str, build: str) -> list[Path] | None:
 
 
 def series_sha256(patches: list[Path]) -> str:
-    """sha256 of the patch files in order (as scripts/geometry_evidence.py and
-    scripts/vllm_cells.py compute it for the whole series directory)."""
-    h = hashlib.sha256()
-    for p in sorted(patches):
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()
+    """The fingerprint scripts/vllm_cells.py compares with the shipped series."""
+    _scripts()
+    import vllm_cells  # noqa: PLC0415
+
+    return vllm_cells.patches_sha256(patches)
 
 
 def _scripts() -> tuple[Any, Any]:
