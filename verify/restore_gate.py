@@ -605,11 +605,6 @@ class Gate:
             r.result["traceback"] = traceback.format_exc()
             self.d.step(f"{r.geo.name}: ERROR during {what}: {type(exc).__name__}: {exc}", None, False)
 
-    def _client_mode(self) -> dict[str, Any]:
-        """--transfer-mode for the clients (nothing: gate_client's own lmcache_driven)."""
-        mode = self.args.transfer_mode
-        return {} if mode == "lmcache_driven" else {"transfer_mode": mode}
-
     def _num_blocks(self, r: PresetRun, layout) -> int:
         return 1 + layout.num_groups * r.chunks * r.blocks_per_chunk + 2
 
@@ -632,7 +627,7 @@ class Gate:
         r.tokens = [rng.randrange(1, 150_000) for _ in range(r.stored_tokens + r.geo.tokens_per_block // 2)]
         t0 = time.monotonic()
         r.client1 = gc.Client(spec.zmq_url, r.model, r.layout, mq_timeout=args.step_timeout,
-                              heartbeat_interval=args.heartbeat_interval, **self._client_mode())
+                              heartbeat_interval=args.heartbeat_interval, transfer_mode=args.transfer_mode)
         caches = geometry.build_kv_caches(r.geo, r.num_blocks, fill=0)
         self._connector_edits(r, caches, "store")
         r.client1.register(caches)
@@ -656,7 +651,7 @@ class Gate:
         if r.layout is None:  # reader phase: the READER's connector sets the window fields
             r.layout = r.restore_layout = gc.Layout(r.geo, geometry.engine_group_infos(r.geo, args.window_rule))
         client = gc.Client(spec.zmq_url, r.model, r.restore_layout or r.layout, mq_timeout=args.step_timeout,
-                           heartbeat_interval=args.heartbeat_interval, **self._client_mode())
+                           heartbeat_interval=args.heartbeat_interval, transfer_mode=args.transfer_mode)
         try:
             caches = geometry.build_kv_caches(r.geo, r.num_blocks, fill=gc.POISON)
             self._connector_edits(r, caches, "restore")
