@@ -128,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a patch set this one is stacked on (repeatable, lowest first): its "
                         "series is applied to the wheel first, and this series' pre-images "
                         "are the result (default: keep existing)")
+    b.add_argument("--gate-transfer-mode", action="append", dest="gate_transfer_modes",
+                   choices=("lmcache_driven", "engine_driven"), metavar="MODE",
+                   help="a transfer mode the CPU restore gate must pass for this set "
+                        "(repeatable: lmcache_driven, engine_driven; default: keep existing, "
+                        "else lmcache_driven alone)")
     b.add_argument("--fixed-upstream", metavar="REASON",
                    help="mark this version as needing no patch, with a reason")
     l2 = sub.add_parser("l2", help="disk-tier (fs L2 adapter) tools")
@@ -396,7 +401,8 @@ def cmd_manifest(args) -> int:
     m = build_manifest(Path(args.directory), Path(args.wheel), revision=args.revision,
                        vllm_versions=args.vllm_versions, upstream=args.upstream,
                        fixed_upstream=args.fixed_upstream, notes=args.notes,
-                       l2_format=args.l2_format, requires=args.requires)
+                       l2_format=args.l2_format, requires=args.requires,
+                       gate_transfer_modes=args.gate_transfer_modes)
     summary = BuildSummary(str(Path(args.directory) / "manifest.json"), m.lmcache_version,
                            m.state, m.revision, len(m.patches), len(m.files), m.to_json())
     return _emit(args, "manifest", summary)

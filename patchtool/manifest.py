@@ -110,6 +110,12 @@ class Manifest:
     # series only ever applies on top of them.  Omitted from JSON when empty,
     # so manifests written before stacking existed stay byte-identical.
     requires: list[str] = field(default_factory=list)
+    # The LMCache transfer modes (``lmcache_driven``, ``engine_driven``) the
+    # CPU restore gate must pass for an install whose top set is this one
+    # (`verify --restore cpu`, `ci`): a set that fixes the engine-driven path
+    # is proven in that mode too.  Empty: ``lmcache_driven`` alone, and the
+    # field is omitted from JSON (older manifests stay byte-identical).
+    gate_transfer_modes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         out: dict = {
@@ -131,6 +137,8 @@ class Manifest:
             out["notes"] = self.notes
         if self.l2_format is not None:
             out["l2_format"] = self.l2_format
+        if self.gate_transfer_modes:
+            out["gate_transfer_modes"] = list(self.gate_transfer_modes)
         out.update({
             "tool_version": self.tool_version,
             "wheel": self.wheel,
@@ -170,6 +178,25 @@ def _requires(value: object, where: Path) -> list[str]:
     return list(value)
 
 
+GATE_TRANSFER_MODES = ("lmcache_driven", "engine_driven")
+
+
+def _gate_transfer_modes(value: object, where: Path) -> list[str]:
+    """``gate_transfer_modes``: distinct names from :data:`GATE_TRANSFER_MODES`."""
+    if not isinstance(value, list) or not all(v in GATE_TRANSFER_MODES for v in value) \
+            or len(set(value)) != len(value):
+        raise Refusal(where, f"malformed gate_transfer_modes {value!r}: distinct names from "
+                      f"{', '.join(GATE_TRANSFER_MODES)}")
+    return list(value)
+
+
+def gate_modes(manifest: "Manifest | None") -> list[str]:
+    """The transfer modes the CPU restore gate runs for an install whose top
+    set has ``manifest``: its ``gate_transfer_modes``, else lmcache-driven."""
+    return list(manifest.gate_transfer_modes) if manifest and manifest.gate_transfer_modes \
+        else ["lmcache_driven"]
+
+
 def load_manifest(path: Path) -> Manifest:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -191,6 +218,7 @@ def load_manifest(path: Path) -> Manifest:
             notes=[str(n) for n in raw.get("notes", [])],
             l2_format=None if raw.get("l2_format") is None else int(raw["l2_format"]),
             requires=_requires(raw.get("requires", []), path),
+            gate_transfer_modes=_gate_transfer_modes(raw.get("gate_transfer_modes", []), path),
             tool_version=raw["tool_version"],
             wheel=dict(raw["wheel"]),
             patches=[PatchEntry(str(p["id"]), str(p["file"]), str(p["sha256"]),
@@ -312,6 +340,7 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
                    vllm_versions: list[str] | None = None, upstream: list[str] | None = None,
                    fixed_upstream: str | None = None, notes: list[str] | None = None,
                    l2_format: int | None = None, requires: list[str] | None = None,
+                   gate_transfer_modes: list[str] | None = None,
                    write: bool = True) -> Manifest:
     """Generate (and by default write) ``directory/manifest.json``.
 
@@ -345,6 +374,9 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
         notes = existing.notes if existing else []
     if requires is None:
         requires = existing.requires if existing else []
+    if gate_transfer_modes is None:
+        gate_transfer_modes = existing.gate_transfer_modes if existing else []
+    gate_transfer_modes = _gate_transfer_modes(list(gate_transfer_modes), directory)
     lower: list = []
     if requires:
         from .stack import l2_format as stack_l2_format, requirements
@@ -378,7 +410,7 @@ def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
 
     patch_paths = sorted(directory.glob("*.patch"))
     common = dict(patch_set=directory.parent.name, lmcache_version=version, revision=revision,
-                  requires=list(requires),
+                  requires=list(requires), gate_transfer_modes=list(gate_transfer_modes),
                   vllm_versions=list(vllm_versions), upstream=list(upstream),
                   notes=list(notes), l2_format=l2_format, tool_version=__version__,
                   wheel={"filename": wheel.name, "sha256": sha256_file(wheel)},

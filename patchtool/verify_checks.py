@@ -12,7 +12,8 @@ target environment (``patchtool.runner``; ``ctx.options.env``); this
 module never imports lmcache or torch.
 
 * ``restore-cpu``   ``verify/restore_gate.py``: store, SIGKILL the real
-  ``lmcache server``, restart it on the same fs L2, restore byte-exact.
+  ``lmcache server``, restart it on the same fs L2, restore byte-exact; once
+  per transfer mode the top set's manifest names (``gate_transfer_modes``).
 * ``roundtrip-cpu`` ``verify/roundtrip.py --matrix fast``: the in-process
   store/retrieve harness over the preset geometries.
 * ``restore-gpu``   ``verify/gpu_gate.py`` with the arguments given after
@@ -171,12 +172,14 @@ def _no_verdict(name: str, run, data: dict) -> CheckResult | None:
     return CheckResult(name, False, detail, data, error=True)
 
 
-@register("restore-cpu")
-def _restore_cpu(ctx: CheckContext) -> CheckResult:
+def _restore_cpu_mode(ctx: CheckContext, mode: str) -> CheckResult:
+    """One run of the restore gate in one LMCache transfer mode."""
     from . import runner
 
     o = ctx.options
     args = [a for p in o.presets for a in ("--preset", p)]
+    if mode != "lmcache_driven":  # the gate's default: its argv stays what it always was
+        args += ["--transfer-mode", mode]
     if not o.echo:
         args.append("--quiet")
     run = runner.run_script(o.env, ctx.verify_root / "restore_gate.py",
@@ -196,6 +199,25 @@ def _restore_cpu(ctx: CheckContext) -> CheckResult:
         return CheckResult("restore-cpu", False, detail, data)
     data["stderr_tail"] = run.stderr_tail
     return CheckResult("restore-cpu", False, detail, data, error=True)
+
+
+@register("restore-cpu")
+def _restore_cpu(ctx: CheckContext) -> CheckResult:
+    """The restore gate in every transfer mode the top set's manifest names
+    (``gate_transfer_modes``; lmcache-driven alone by default, whose result
+    keeps its single-run shape).  Every mode runs, and all must pass."""
+    from .manifest import gate_modes
+
+    modes = gate_modes(ctx.patch_set.manifest if ctx.patch_set else None)
+    results = {mode: _restore_cpu_mode(ctx, mode) for mode in modes}
+    if len(results) == 1:
+        return next(iter(results.values()))
+    detail = "; ".join(f"{mode}: {r.detail}" for mode, r in results.items())
+    data = {"modes": {mode: r.data for mode, r in results.items()}}
+    ok = all(r.ok for r in results.values())
+    # A verdict-less mode is an error only when no other mode failed outright.
+    error = not ok and not any(not r.ok and not r.error for r in results.values())
+    return CheckResult("restore-cpu", ok, detail, data, error=error)
 
 
 @register(ROUNDTRIP_CHECK)
