@@ -17,10 +17,16 @@ the code paths.
   and other blocks are overwritten (silent corruption); 0.5.4 refuses the
   store (the server answers False, nothing reaches the disk).
 
+With the stacked ``engine-driven`` set (hybrid-fa + engine-driven, issue 15)
+every preset restores byte-exact in engine-driven mode, and the fs L2 objects
+it leaves are byte-identical, name for name, to those of an lmcache-driven
+store by the same build.
+
 The fast tier runs 0.5.6 pristine (one hybrid, the pure k = 1 control).
 ``bash .ci/run`` also runs one full row, 0.5.5 patched (the silent k = 2
-corruption survives the hybrid-fa series), and the k = 1 identity of the two
-modes; ``LMCACHE_PATCHTOOL_FULL=1`` runs every version and build (about 6 min).
+corruption survives the hybrid-fa series), the k = 1 identity of the two
+modes, and 0.5.6 stacked (every preset, and the identity of the sub-paged
+ones); ``LMCACHE_PATCHTOOL_FULL=1`` runs every version and build.
 """
 
 from __future__ import annotations
@@ -39,6 +45,12 @@ from test_restore_gate import assert_clean_pass, by_preset, run_gate  # noqa: E4
 
 VERSIONS = ["0.5.3", "0.5.4", "0.5.5", "0.5.6"]
 HYBRIDS = ["qwen35-0.8b", "gdn-27b", "control-k1"]
+ALL_PRESETS = [*HYBRIDS, "pure-attn-bs128", "pure-attn-k1"]
+# What the identity of the two modes is checked on: a sub-paged hybrid
+# (k = 17: separate FA/GDN objects, part 05's key namespace) and sub-paged
+# pure attention (k = 2, engine-driven's own 1/k bug before the set).
+IDENTITY_PRESETS = ["qwen35-0.8b", "pure-attn-bs128"]
+STACKED = "stacked"  # hybrid-fa + engine-driven
 MODE = ("--transfer-mode", "engine_driven")
 
 
@@ -46,10 +58,20 @@ def _python(version: str) -> Path:
     return provision.runtime_env(version) / "bin" / "python"
 
 
+def _series(name: str, version: str) -> list[Path]:
+    return sorted((REPO / "patches" / name / version).glob("*.patch"))
+
+
+def _stacked_versions() -> list[str]:
+    return [v for v in VERSIONS if (REPO / "patches" / "engine-driven" / v / "manifest.json").exists()]
+
+
 def _overlay(version: str, state: str) -> Path:
     if state == "pristine":
         return provision.overlay(version)
-    return provision.overlay(version, sorted((REPO / "patches" / "hybrid-fa" / version).glob("*.patch")))
+    if state == STACKED:
+        return provision.overlay(version, _series("hybrid-fa", version) + _series("engine-driven", version))
+    return provision.overlay(version, _series("hybrid-fa", version))
 
 
 def _gate(version: str, state: str, presets: list[str]) -> dict[str, dict]:
@@ -153,3 +175,72 @@ def test_engine_driven_objects_identical_to_lmcache_driven_k1(tmp_path):
                 Path(report["client_log"]).unlink(missing_ok=True)
         json.loads(out.read_text())  # the report file was written
     assert digests["engine_driven"] == digests["lmcache_driven"]
+
+
+# ---------------------------------------------------------------------------
+# the stacked engine-driven set (issue 15)
+# ---------------------------------------------------------------------------
+
+
+def _l2_digests(report: dict, preset: str) -> dict[str, str]:
+    """File name (the run's model name replaced) -> sha256 of one preset's fs
+    L2 objects after the store (the first cycle's directory)."""
+    import hashlib
+
+    from restore_gate import l2_objects  # noqa: PLC0415  (verify/ is on sys.path)
+
+    (p,) = [x for x in report["presets"] if x["preset"] == preset]
+    model = p["model_name"]
+    files = l2_objects(Path(report["cycles"][0]["workdir"], "l2"), model)
+    return {f.name.replace(model, "MODEL"): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+
+
+def _cleanup(report: dict) -> None:
+    import shutil
+
+    for c in report.get("cycles", []):
+        shutil.rmtree(c["workdir"], ignore_errors=True)
+    if report.get("client_log"):
+        Path(report["client_log"]).unlink(missing_ok=True)
+
+
+def _stacked_rows() -> list[str]:
+    have = _stacked_versions()
+    if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1":
+        return have or [None]
+    return [v for v in have if v == "0.5.6"] or [None]
+
+
+def _need(version: str | None) -> str:
+    if version is None:
+        pytest.skip("no patches/engine-driven/<version>/manifest.json committed yet")
+    return version
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", _stacked_rows(), ids=lambda v: v or "none-yet")
+def test_engine_driven_stacked_restores_every_preset(version):
+    presets = _gate(_need(version), STACKED, ALL_PRESETS)
+    for name in ALL_PRESETS:
+        assert_clean_pass(presets[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", _stacked_rows(), ids=lambda v: v or "none-yet")
+def test_engine_driven_stacked_objects_identical_to_lmcache_driven(version):
+    """Issue 15 item 2: the same request stored by the same (stacked) build in
+    either mode leaves the same fs L2 objects, name for name and byte for
+    byte, so an operator can switch modes over a persistent tier."""
+    version = _need(version)
+    digests: dict[str, dict[str, dict[str, str]]] = {}
+    for mode in ("lmcache_driven", "engine_driven"):
+        proc, report, _ = run_gate(_python(version), _overlay(version, STACKED), IDENTITY_PRESETS,
+                                   "--transfer-mode", mode, "--no-stay-alive", "--keep-tmp")
+        try:
+            assert proc.returncode == 0, report["reason"]
+            digests[mode] = {p: _l2_digests(report, p) for p in IDENTITY_PRESETS}
+        finally:
+            _cleanup(report)
+    for preset in IDENTITY_PRESETS:
+        assert len(digests["engine_driven"][preset]) >= 3, digests["engine_driven"][preset]
+        assert digests["engine_driven"][preset] == digests["lmcache_driven"][preset], preset

@@ -1,0 +1,71 @@
+"""The shipped stack ``hybrid-fa`` + ``engine-driven`` (issue 15) on the
+real wheels: ``apply --set engine-driven`` on a pristine install applies both
+sets in one transaction, status and verify report each set, a kill half-way
+recovers to the untouched install, and revert gives back the wheel's bytes,
+RECORD included.  The real CLI on copies of the cached bare venvs (no
+``LMCACHE_PATCHTOOL_PATCHES``: the shipped patch sets)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from patchtool.fsio import CRASH_EXIT, FAULT_ENV as CRASH_ENV
+
+from .conftest import VERSIONS
+from .helpers import REPO, cli, copy_venv, site_of, tree_hashes
+from .test_lifecycle import SKIP, _record_ok
+
+TOP = "engine-driven"
+BASE = "hybrid-fa"
+
+
+def _stacked_versions() -> list[str]:
+    return [v for v in VERSIONS if (REPO / "patches" / TOP / v / "manifest.json").exists()]
+
+
+def _sets(result: dict) -> list[tuple[str, str]]:
+    return [(s["name"], s["state"]) for s in result["sets"]]
+
+
+@pytest.mark.parametrize("version", _stacked_versions() or [None],
+                         ids=lambda v: "none-yet" if v is None else v)
+def test_apply_status_verify_crash_and_revert_the_shipped_stack(tmp_path, bare_envs, version):
+    if version is None:
+        pytest.skip("no patches/engine-driven/<version>/manifest.json committed yet")
+    manifest = json.loads((REPO / "patches" / TOP / version / "manifest.json").read_text())
+    assert manifest["requires"] == [BASE]
+    assert manifest["gate_transfer_modes"] == ["lmcache_driven", "engine_driven"]
+    fresh = site_of(bare_envs[version])
+    venv = copy_venv(bare_envs[version], tmp_path / "venv")
+    site, py = site_of(venv), str(venv / "bin" / "python")
+    pristine = tree_hashes(fresh, SKIP)
+
+    # A kill at a write half-way through: the next command rolls back to the
+    # untouched install, never to hybrid-fa alone.
+    r = cli("apply", "--python", py, "--set", TOP, env={CRASH_ENV: "crash:4"})
+    assert r.rc == CRASH_EXIT, (r.rc, r.err)
+    st = cli("status", "--python", py, "--set", TOP, "--json")
+    assert st.rc == 0, st.err
+    assert _sets(st.json["result"]) == [(BASE, "pristine"), (TOP, "pristine")]
+    assert tree_hashes(site, SKIP) == pristine
+
+    r = cli("apply", "--python", py, "--set", TOP, "--json")
+    assert r.rc == 0, r.err
+    res = r.json["result"]
+    assert res["action"] == "applied" and res["state_after"] == "patched"
+    assert [s["name"] for s in res["sets"]] == [BASE, TOP]
+    st = cli("status", "--python", py, "--json").json["result"]  # the install's top set by default
+    assert st["patch_set"] == TOP and st["state"] == "patched", st["detail"]
+    assert _sets(st) == [(BASE, "patched"), (TOP, "patched")]
+    n, bad = _record_ok(site)
+    assert n > 700 and bad == []
+    v = cli("verify", "--python", py, "--json")
+    assert v.rc == 0, v.out
+    assert _sets(v.json["result"]["status"]) == [(BASE, "patched"), (TOP, "patched")]
+
+    r = cli("revert", "--python", py, "--json")
+    assert r.rc == 0, r.err
+    assert r.json["result"]["state_after"] == "pristine"
+    assert tree_hashes(site, SKIP) == pristine  # files and RECORD, byte for byte
