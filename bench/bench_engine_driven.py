@@ -1,0 +1,373 @@
+#!/usr/bin/env python3
+"""Engine-driven vs lmcache-driven: store and retrieve time per byte on CPU, in one run.
+
+One real ``lmcache server`` with ``--supported-transfer-mode auto`` (it loads
+both transfer modules; L1 only, no L2, so no background disk writes compete)
+and two clients in this process, one per mode.  Each client is the restore
+gate's (``verify/lmcache_patchtool_verify/gate_client.Client``): LMCache's own
+vLLM scheduler and worker adapters, with ``lmcache.mp.mp_transfer_mode`` set
+to ``lmcache_driven`` (the server maps the worker's shared-memory KV and runs
+the copy kernels) or ``engine_driven`` (the worker gathers to CPU bytes and
+hands them over with PREPARE/COMMIT; the server never sees a KV tensor).
+Each client registers its own model name, so the two never share objects.
+
+After one untimed warm-up round per mode, ``--rounds`` rounds follow; each
+round draws a fresh prompt (``--chunks`` full chunks of ``--chunk-blocks``
+logical blocks), used by both modes, and runs the modes one after the other,
+alternating which goes first.  Per mode and round:
+
+* LOOKUP (a miss, as vLLM does first), then the STORE is timed
+  (``submit_store_request`` until its future resolves), END_SESSION;
+* untimed: wait until the server's L1 holds no staging or write-locked
+  object (lmcache-driven finishes the write in a host callback just after
+  answering, so a lookup at once could miss);
+* bytes moved: what the store added to the server's L1
+  (``GET /status`` -> ``l1_manager.memory_used_bytes``, after minus before);
+* LOOKUP again (the prefetch; timed apart, not part of the ratio), then the
+  RETRIEVE is timed (``submit_retrieve_request`` until its future resolves,
+  scatter included), END_SESSION;
+* untimed: the restored blocks are compared byte for byte with the source
+  (``gate_client.check_restore``).
+
+It prints, per mode, the bytes moved, the median store and retrieve s/GiB and
+their sum, and engine-driven / lmcache-driven ratios of the medians.  No
+timing is asserted; the exit code is 1 only if a store or retrieve failed or a
+restored byte was wrong, 2 on an infrastructure error.
+
+Run with any Python 3: it provisions the runtime venv and overlay
+(``scripts/provision.py``) and re-runs itself there::
+
+    python3 bench/bench_engine_driven.py                              # 0.5.6, hybrid-fa + engine-driven, qwen35-0.8b
+    python3 bench/bench_engine_driven.py --build pristine --preset pure-attn-k1
+    python3 bench/bench_engine_driven.py --rounds 7 --chunks 6 --json
+
+``--build``: ``stacked`` (patches/hybrid-fa/V + patches/engine-driven/V, the
+default), ``hybrid-fa`` or ``pristine``.  A pristine or hybrid-fa build
+refuses a hybrid preset in engine-driven mode (docs/design/engine-driven.md,
+section 3); pure-attn-k1 runs in both modes on every build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("engine_driven", "lmcache_driven")
+BUILDS = ("stacked", "hybrid-fa", "pristine")
+INNER_ENV = "LMCACHE_PATCHTOOL_BENCH_ED_INNER"
+GIB = 2 ** 30
+
+
+# ---------------------------------------------------------------------------
+# Outer: provision, then re-run in the runtime venv over the overlay
+# ---------------------------------------------------------------------------
+
+
+def build_patches(version: str, build: str) -> list[Path]:
+    hybrid = sorted((REPO / "patches" / "hybrid-fa" / version).glob("*.patch"))
+    engine = sorted((REPO / "patches" / "engine-driven" / version).glob("*.patch"))
+    if build == "pristine":
+        return []
+    if not hybrid:
+        raise SystemExit(f"bench_engine_driven: no hybrid-fa set for {version} (patches/hybrid-fa/{version}/)")
+    if build == "hybrid-fa":
+        return hybrid
+    if not engine:
+        raise SystemExit(f"bench_engine_driven: no engine-driven set for {version} "
+                         f"(patches/engine-driven/{version}/*.patch); use --build pristine or hybrid-fa "
+                         "with --preset pure-attn-k1")
+    return hybrid + engine
+
+
+def outer(args: argparse.Namespace, argv: list[str]) -> int:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import provision  # noqa: PLC0415
+
+    patches = build_patches(args.version, args.build)
+    python = provision.runtime_env(args.version) / "bin" / "python"
+    overlay = provision.overlay(args.version, patches or None)
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}", NO_COLOR="1")
+    env[INNER_ENV] = json.dumps({"overlay": str(overlay), "patches": [str(p.relative_to(REPO)) for p in patches]})
+    return subprocess.run([str(python), str(Path(__file__).resolve()), *argv], env=env).returncode
+
+
+# ---------------------------------------------------------------------------
+# Inner: the run itself (torch + lmcache importable)
+# ---------------------------------------------------------------------------
+
+
+def l1_only_spec(rg: Any, *args: Any, **kw: Any) -> Any:
+    """The restore gate's ``ServerSpec`` without its ``--l2-adapter`` (L1 only)."""
+
+    class L1OnlySpec(rg.ServerSpec):
+        def argv(self) -> list[str]:
+            argv = super().argv()
+            i = argv.index("--l2-adapter")
+            return argv[:i] + argv[i + 2:]
+
+    return L1OnlySpec(*args, **kw)
+
+
+def l1_status(spec: Any) -> dict[str, Any]:
+    url = f"http://{spec.host}:{spec.http_port}/status"
+    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - loopback only
+        doc = json.loads(resp.read())
+    sm = doc["storage_manager"]
+    return sm.get("l1_manager") or next(iter(sm["l1_managers"].values()))
+
+
+class ModeRun:
+    """One client (one mode, one model) and its per-round figures."""
+
+    def __init__(self, gc: Any, geometry: Any, geo: Any, mode: str, spec: Any, args: argparse.Namespace) -> None:
+        self.gc, self.mode, self.geo, self.args = gc, mode, geo, args
+        self.model = f"bench-ed-{mode}-{geo.name}-{uuid.uuid4().hex[:8]}"
+        self.layout = gc.Layout(geo, geometry.engine_group_infos(geo, "connector"))
+        self.blocks_per_chunk = args.chunk_blocks
+        per_group = args.chunks * args.chunk_blocks
+        self.num_blocks = 1 + 2 * self.layout.num_groups * per_group + 2
+        self.src = gc.choose_block_ids(self.layout.num_groups, per_group, self.num_blocks, args.seed)
+        # One client stores and retrieves, so the destinations must avoid every source
+        # block (the gate's differ_from only avoids the same position's).
+        used = {b for ids in self.src for b in ids}
+        pool = [b for b in range(1, self.num_blocks) if b not in used]
+        random.Random(args.seed + 1).shuffle(pool)
+        self.dst = [pool[g * per_group:(g + 1) * per_group] for g in range(self.layout.num_groups)]
+        self.client = gc.Client(spec.zmq_url, self.model, self.layout, mq_timeout=args.step_timeout,
+                                transfer_mode=mode)
+        self.client.register(geometry.build_kv_caches(geo, self.num_blocks, fill=0))
+        self.expected = gc.fill_source(self.client, self.src, args.seed)  # after registration
+        self.dst_blocks = {layer: self.dst[self.layout.group_of_layer[layer]]
+                           for layer in range(len(geo.layer_kinds))}
+        self.rows: list[dict[str, Any]] = []
+
+    def round(self, tokens: list[int], spec: Any, warmup: bool) -> dict[str, Any]:
+        gc, a = self.gc, self.args
+        end = a.chunks * a.chunk_blocks * self.geo.tokens_per_block
+        rid = f"bench-store-{uuid.uuid4().hex[:10]}"
+        miss = self.client.lookup(rid, tokens, a.step_timeout)
+        used0 = l1_status(spec)["memory_used_bytes"]
+        t0 = time.perf_counter()
+        stored = self.client.store(rid, tokens, self.src, end, a.step_timeout)
+        store_s = time.perf_counter() - t0
+        self.client.finish_request(rid)
+        # Untimed: until the server has committed (lmcache-driven: finish_write runs
+        # as a host callback after the copy, so the answer can precede it by a few
+        # ms and a lookup at once could miss).
+        t0 = time.perf_counter()
+        deadline = t0 + a.step_timeout
+        while True:
+            st = l1_status(spec)
+            if (st["staging_object_count"] == 0 and st["write_locked_count"] == 0) or time.perf_counter() > deadline:
+                break
+            time.sleep(0.002)
+        commit_wait_s = time.perf_counter() - t0
+        moved = st["memory_used_bytes"] - used0
+
+        gc.poison(self.client, self.dst_blocks)
+        rid = f"bench-retrieve-{uuid.uuid4().hex[:10]}"
+        t0 = time.perf_counter()
+        hit = self.client.lookup(rid, tokens, a.step_timeout)
+        lookup_s = time.perf_counter() - t0
+        ok, detail = False, "no hit"
+        t0 = time.perf_counter()
+        if hit:
+            ok, detail = self.client.retrieve(rid, tokens, self.dst, hit, a.step_timeout)
+        retrieve_s = time.perf_counter() - t0
+        self.client.finish_request(rid)
+        # Untimed.  The source blocks are not poison, so the check's foreign-write
+        # count is meaningless here; only the restored positions are judged.
+        check = gc.check_restore(self.client, self.dst, self.expected, chunks=a.chunks,
+                                 blocks_per_chunk=self.blocks_per_chunk, restored_chunks=hit // (end // a.chunks),
+                                 untouched=gc.POISON)
+        row = {"warmup": warmup, "miss_tokens": miss, "stored": stored, "bytes": moved, "store_s": store_s,
+               "commit_wait_s": commit_wait_s,
+               "lookup_s": lookup_s, "retrieve_s": retrieve_s, "hit_tokens": hit, "retrieve_ok": ok, "retrieve_detail": detail,
+               "chunks_exact": check["chunks_exact"], "per_chunk_exact": [c["exact"] for c in check["per_chunk"]], "fa": check["fa"]}
+        if not warmup:
+            self.rows.append(row)
+        return row
+
+    def bad(self, row: dict[str, Any]) -> str | None:
+        a = self.args
+        end = a.chunks * a.chunk_blocks * self.geo.tokens_per_block
+        if not row["stored"]:
+            return "store not confirmed"
+        if row["miss_tokens"]:
+            return f"the lookup before the store hit {row['miss_tokens']} tokens"
+        if row["hit_tokens"] != end:
+            return f"lookup hit {row['hit_tokens']}/{end} tokens"
+        if not row["retrieve_ok"]:
+            return f"retrieve: {row['retrieve_detail']}"
+        if row["chunks_exact"] != a.chunks:
+            return f"{row['chunks_exact']}/{a.chunks} chunks restored byte-exact"
+        return None
+
+
+def summarise(runs: dict[str, ModeRun]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode, run in runs.items():
+        rows = run.rows
+        nbytes = statistics.median(r["bytes"] for r in rows)
+        st = [r["store_s"] / (r["bytes"] / GIB) for r in rows]
+        rt = [r["retrieve_s"] / (r["bytes"] / GIB) for r in rows]
+        both = [s + r for s, r in zip(st, rt)]
+        out[mode] = {"model": run.model, "bytes_per_round": sorted({r["bytes"] for r in rows}),
+                     "bytes_median": nbytes,
+                     "store_s_per_gib": statistics.median(st), "retrieve_s_per_gib": statistics.median(rt),
+                     "store_retrieve_s_per_gib": statistics.median(both),
+                     "store_s_per_gib_range": [min(st), max(st)], "retrieve_s_per_gib_range": [min(rt), max(rt)],
+                     "store_s_median": statistics.median(r["store_s"] for r in rows),
+                     "retrieve_s_median": statistics.median(r["retrieve_s"] for r in rows),
+                     "lookup_s_median": statistics.median(r["lookup_s"] for r in rows),
+                     "rounds": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}
+                                for r in rows]}
+    ed, ld = out["engine_driven"], out["lmcache_driven"]
+    out["ratio_engine_to_lmcache"] = {
+        k: ed[k] / ld[k] for k in ("store_s_per_gib", "retrieve_s_per_gib", "store_retrieve_s_per_gib")}
+    return out
+
+
+def inner(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(REPO / "verify"))
+    import restore_gate as rg  # noqa: PLC0415
+    from lmcache_patchtool_verify import geometry, procs  # noqa: PLC0415
+    from lmcache_patchtool_verify.xver_outcome import preset as gate_preset  # noqa: PLC0415
+
+    info = json.loads(os.environ.get(INNER_ENV) or "{}")
+    geo = gate_preset(args.preset)
+    chunk = args.chunk_blocks * geo.tokens_per_block
+    # each mode keeps (1 warm-up + rounds) requests in L1; 3x head room
+    full = args.chunk_blocks * (geo.num_fa_layers * geo.fa_block_bytes + geo.num_gdn_layers * geo.gdn_block_bytes)
+    l1_gb = args.l1_size_gb or max(1.0, round(3 * 2 * (args.rounds + 1) * args.chunks * full / GIB, 2))
+    client_log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-engine-driven-client-{os.getpid()}.log"
+    code, report = 0, {}
+    with rg.quiet_library_output(None if args.verbose else client_log) as (out, err):
+        def say(text: str) -> None:
+            if not args.quiet:
+                print(text, file=err, flush=True)
+
+        with procs.Supervisor() as sup:
+            workdir = sup.tempdir(prefix="bench-engine-driven-")
+            zp, hp = procs.free_ports(2)
+            spec = l1_only_spec(rg, zp, hp, chunk, l1_gb, workdir / "unused-l2", workdir, transfer_mode="auto")
+            server = rg.launch_server(sup, spec, "auto")
+            from lmcache_patchtool_verify import gate_client as gc  # noqa: PLC0415 - loads while the server boots
+
+            versions = rg.versions()
+            rg.await_server(server, spec, args.server_timeout)
+            say(f"lmcache {versions.get('lmcache')} ({args.build}: {len(info.get('patches', []))} patches) from "
+                f"{versions.get('lmcache_dir')}; server pid {server.pid}, --supported-transfer-mode auto, "
+                f"L1 {l1_gb:g} GB, no L2, chunk {chunk} tokens")
+            runs: dict[str, ModeRun] = {}
+            for mode in MODES:
+                runs[mode] = ModeRun(gc, geometry, geo, mode, spec, args)
+            rng = random.Random(args.seed)
+            n_tok = args.chunks * chunk + geo.tokens_per_block // 2  # plus a partial chunk, never stored
+            failures: list[str] = []
+            for rnd in range(args.rounds + 1):
+                warm = rnd == 0
+                tokens = [rng.randrange(1, 150_000) for _ in range(n_tok)]
+                order = MODES if rnd % 2 == 0 else MODES[::-1]
+                for mode in order:
+                    row = runs[mode].round(tokens, spec, warm)
+                    problem = runs[mode].bad(row)
+                    if problem:
+                        failures.append(f"{mode} round {rnd}{' (warm-up)' if warm else ''}: {problem}")
+                    say(f"  {'warm-up' if warm else f'round {rnd}'} {mode:14} store {row['store_s']:.3f} s, "
+                        f"retrieve {row['retrieve_s']:.3f} s, {row['bytes'] / 2**20:.1f} MiB"
+                        + (f"  PROBLEM: {problem}" if problem else ""))
+                if not server.alive():
+                    raise SystemExit(f"the server died:\n{server.log_tail()}")
+            for run in runs.values():
+                run.client.close(graceful=True)
+        summary = summarise(runs)
+        report = {"tool": "bench_engine_driven", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "lmcache": versions.get("lmcache"), "build": args.build, "patches": info.get("patches", []),
+                  "preset": geo.name, "k": geo.k, "engine_groups": runs["engine_driven"].layout.num_groups,
+                  "chunk_tokens": chunk, "chunks": args.chunks, "rounds": args.rounds,
+                  "server": "one lmcache server, --supported-transfer-mode auto, L1 only; a client per mode",
+                  "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
+                  "failures": failures, **summary}
+        if args.json:
+            out.write(json.dumps(report, indent=2) + "\n")
+        else:
+            out.write(text_report(report))
+        code = 1 if failures else 0
+    if not args.verbose and not args.keep_log:
+        client_log.unlink(missing_ok=True)
+    return code
+
+
+def text_report(r: dict[str, Any]) -> str:
+    lines = [f"lmcache {r['lmcache']} {r['build']} ({len(r['patches'])} patches), preset {r['preset']} "
+             f"(k={r['k']}, {r['engine_groups']} engine groups), {r['chunks']} chunks of {r['chunk_tokens']} tokens "
+             f"per request; {r['server']}",
+             f"medians of {r['rounds']} interleaved rounds (after 1 warm-up round per mode), "
+             f"{r['cpus']} CPUs, load {r['loadavg_1m']:.2f}:",
+             f"  {'mode':15} {'bytes/request':>14} {'store s/GiB':>12} {'retrieve s/GiB':>15} "
+             f"{'store+retr s/GiB':>17} {'store s':>8} {'retr s':>8}"]
+    for mode in MODES:
+        m = r[mode]
+        lines.append(f"  {mode:15} {m['bytes_median']:>14,.0f} {m['store_s_per_gib']:12.3f} "
+                     f"{m['retrieve_s_per_gib']:15.3f} {m['store_retrieve_s_per_gib']:17.3f} "
+                     f"{m['store_s_median']:8.3f} {m['retrieve_s_median']:8.3f}")
+    q = r["ratio_engine_to_lmcache"]
+    lines.append(f"  engine-driven / lmcache-driven: store {q['store_s_per_gib']:.2f}x, "
+                 f"retrieve {q['retrieve_s_per_gib']:.2f}x, store+retrieve {q['store_retrieve_s_per_gib']:.2f}x")
+    for mode in MODES:
+        m = r[mode]
+        lines.append(f"  {mode} ranges: store {m['store_s_per_gib_range'][0]:.3f}-{m['store_s_per_gib_range'][1]:.3f}"
+                     f", retrieve {m['retrieve_s_per_gib_range'][0]:.3f}-{m['retrieve_s_per_gib_range'][1]:.3f}"
+                     f" s/GiB; bytes per round {m['bytes_per_round']}")
+    if r["failures"]:
+        lines.append("FAILURES (not timing): " + "; ".join(r["failures"]))
+    else:
+        lines.append("every store confirmed, every retrieve hit all chunks and restored them byte-exact")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--version", default="0.5.6")
+    ap.add_argument("--build", choices=BUILDS, default="stacked",
+                    help="stacked: hybrid-fa + engine-driven (default); hybrid-fa; pristine")
+    ap.add_argument("--preset", default="qwen35-0.8b", help="qwen35-0.8b (hybrid, k=17) or pure-attn-k1, ...")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--chunks", type=int, default=4, help="full chunks per request (default 4)")
+    ap.add_argument("--chunk-blocks", type=int, default=2, help="logical blocks per chunk (default 2)")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--l1-size-gb", type=float)
+    ap.add_argument("--step-timeout", type=float, default=120.0)
+    ap.add_argument("--server-timeout", type=float, default=180.0)
+    ap.add_argument("--json", action="store_true", help="print the figures (and every round) as JSON")
+    ap.add_argument("--quiet", action="store_true", help="no per-round progress on stderr")
+    ap.add_argument("--verbose", action="store_true", help="let lmcache's client logging through")
+    ap.add_argument("--keep-log", action="store_true", help="keep the client-side lmcache log in $TMPDIR")
+    args = ap.parse_args(argv)
+    if args.rounds < 1 or args.chunks < 1 or args.chunk_blocks < 1:
+        ap.error("--rounds, --chunks and --chunk-blocks must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if os.environ.get(INNER_ENV) is None:
+        return outer(args, argv)
+    return inner(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
