@@ -26,7 +26,10 @@ adapters (``gate_client.Client``):
    own ``_filename_to_object_key`` (the fs adapter has no listing API);
 3. LOOKUP again (the server prefetches, read-locking every object group's
    keys), RETRIEVE into other blocks (compared byte for byte afterwards),
-   END_SESSION (waited for through ``GET /status``'s ``active_sessions``);
+   END_SESSION (waited for through ``GET /status``'s ``active_sessions``,
+   then up to ``--settle`` seconds for the read locks to drop: a release
+   may run in a host callback just after the answer; a leaked lock lasts
+   the read-lock TTL);
 4. observes the locks two ways, both the server's own:
 
    * ``GET /status`` -> ``l1_manager.read_locked_count`` (objects whose read
@@ -75,9 +78,11 @@ def _status(spec: Any) -> dict[str, Any]:
     doc = _http(spec, "GET", "/status")
     sm = doc["storage_manager"]
     l1 = sm.get("l1_manager") or next(iter(sm["l1_managers"].values()))
+    sc = sm.get("store_controller") or next(iter(sm["store_controllers"].values()))
     return {"read_locked_count": l1["read_locked_count"], "write_locked_count": l1["write_locked_count"],
             "staging_object_count": l1["staging_object_count"], "total_object_count": l1["total_object_count"],
-            "temporary_count": l1["temporary_count"], "active_sessions": doc.get("active_sessions")}
+            "temporary_count": l1["temporary_count"], "active_sessions": doc.get("active_sessions"),
+            "l2_store_pending_keys": sc.get("pending_keys_count"), "l2_store_in_flight": sc.get("in_flight_task_count")}
 
 
 def _wait(what: str, predicate, timeout: float) -> Any:
@@ -151,22 +156,24 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError("the server did not confirm the store")
 
             # 2. every object on disk, L1 quiet; the keys of every object group
-            log = procs.ansi_strip(server.log_text())
-            groups = rg.object_groups(log, model)
-            doc["object_groups"] = groups
-            _wait(f"{args.chunks * groups} objects in the L2 directory",
-                  lambda: len(rg.l2_objects(l2_dir, model)) >= args.chunks * groups
-                  and not list(l2_dir.glob("*.tmp")), args.step_timeout)
+            logged_groups = rg.object_groups(procs.ansi_strip(server.log_text()), model)
+            _wait(f"{args.chunks * logged_groups} objects in the L2 directory",
+                  lambda: len(rg.l2_objects(l2_dir, model)) >= args.chunks * logged_groups, args.step_timeout)
             phases["after_store"] = _wait(
-                "an L1 without staging, write- or read-locked objects",
+                "the L2 writes drained and an L1 without staging, write- or read-locked objects",
                 lambda: (lambda s: s if not (s["staging_object_count"] or s["write_locked_count"]
-                                             or s["read_locked_count"]) else None)(_status(spec)),
+                                             or s["read_locked_count"] or s["l2_store_pending_keys"]
+                                             or s["l2_store_in_flight"] or list(l2_dir.glob("*.tmp")))
+                         else None)(_status(spec)),
                 args.step_timeout)
             keys: dict[int, list[dict[str, Any]]] = {}
             for path in rg.l2_objects(l2_dir, model):
                 key = fs_l2_adapter._filename_to_object_key(path.name)
                 if key is not None:
                     keys.setdefault(key.object_group_id, []).append(_encoded(key))
+            groups = max([logged_groups, *(g + 1 for g in keys)])
+            doc["object_groups"] = groups
+            doc["object_groups_logged"] = logged_groups
             doc["keys_per_group"] = {str(g): len(v) for g, v in sorted(keys.items())}
 
             # 3. lookup, retrieve, end the session
@@ -182,9 +189,19 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
                     ok, detail = False, f"raised {type(exc).__name__}: {exc}"
             phases["after_retrieve"] = _status(spec)
             client.finish_request(rid)
-            phases["after_end_session"] = _wait("END_SESSION of both requests (active_sessions 0)",
-                                                lambda: (lambda s: s if s["active_sessions"] == 0 else None)(
-                                                    _status(spec)), args.step_timeout)
+            _wait("END_SESSION of both requests (active_sessions 0)",
+                  lambda: _status(spec)["active_sessions"] == 0, args.step_timeout)
+            # A release may run in a host callback just after the answer (the
+            # lmcache-driven retrieve does): give it --settle seconds.  A leaked
+            # lock lasts the read-lock TTL (300 s by default).
+            t0 = time.monotonic()
+            while True:
+                st = _status(spec)
+                if st["read_locked_count"] == 0 or time.monotonic() - t0 > args.settle:
+                    break
+                time.sleep(0.05)
+            st["seconds_after_session_end"] = round(time.monotonic() - t0, 3)
+            phases["after_end_session"] = st
             check = gc.check_restore(client, dst, expected, chunks=args.chunks, blocks_per_chunk=args.chunk_blocks,
                                      restored_chunks=hit // chunk, untouched=gc.POISON)
             doc["retrieve"] = {"hit_tokens": hit, "stored_tokens": end, "ok": ok, "detail": detail,
@@ -225,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--l1-size-gb", type=float, default=1.0)
     ap.add_argument("--step-timeout", type=float, default=30.0)
     ap.add_argument("--server-timeout", type=float, default=120.0)
+    ap.add_argument("--settle", type=float, default=5.0,
+                    help="seconds to let read locks drop after END_SESSION before observing (default 5)")
     args = ap.parse_args(argv)
     os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
     import restore_gate as rg  # noqa: PLC0415
