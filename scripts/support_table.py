@@ -20,6 +20,7 @@ hand: run
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -50,13 +51,88 @@ def render(patches_root: Path, cells: tuple[list[str], list] | None = None) -> s
             state = row.state
         files = ", ".join(f"`{Path(f).name}`" for f in row.files) or "-"
         vllm = ", ".join(row.vllm_versions) or "-"
-        out.append(f"| {row.lmcache_version} | {row.set} | {vllm} | {state} | {row.patches} | {files} |")
+        name = row.set + (f" (on {', '.join(row.requires)})" if row.requires else "")
+        out.append(f"| {row.lmcache_version} | {name} | {vllm} | {state} | {row.patches} | {files} |")
     out.append("")
     out.append("Any other LMCache version is reported as `unsupported-version` by `patchtool status`.")
     columns, cells_ = cells if cells is not None else _cells(patches_root)
     if columns:
         out += ["", _render_cells(columns, cells_)]
+    ed = engine_driven_table(patches_root)
+    if ed:
+        out += ["", ed]
     return "\n".join(out)
+
+
+# ---------------------------------------------------------------- engine-driven
+
+ED_EVIDENCE = REPO / "verify" / "evidence" / "engine-driven-gate.json"
+ED_BUILDS = {"pristine": "pristine", "hybrid-fa": "hybrid-fa",
+             "stacked": "hybrid-fa + engine-driven"}
+
+
+def _ed_cells(patches_root: Path) -> list[dict]:
+    """The engine-driven evidence cells, each marked ``stale`` when its build's
+    patches are not the shipped ones (a patch changed since the run)."""
+    import engine_driven_evidence as ede  # noqa: PLC0415
+
+    try:
+        doc = json.loads(ED_EVIDENCE.read_text())
+    except FileNotFoundError:
+        return []
+    out = []
+    for c in doc["cells"]:
+        patches = ede.build_patches(c["lmcache"], c["build"], patches_root)
+        want = vllm_cells.patches_sha256(patches) if patches else None
+        out.append(dict(c, stale=patches is None or c["patches_sha256"] != want))
+    return out
+
+
+def _ed_summary(cell: dict) -> str:
+    """One table cell: how many presets restore byte-exact, and what the others do."""
+    if cell["stale"]:
+        return "stale evidence"
+    presets = cell["presets"]
+    by: dict[str, list[str]] = {}
+    for name, p in presets.items():
+        by.setdefault(p["outcome"], []).append(name)
+    parts = [f"{len(by.get('pass', []))}/{len(presets)} pass"]
+    refused = by.get("refused", [])
+    if refused:
+        hybrids = all(presets[n]["hybrid"] for n in refused)
+        parts.append(f"{len(refused)} {'hybrids' if hybrids else 'presets'} refused loudly")
+    for word, label in (("wrong", "**silent wrong restore**"), ("miss", "store refused, no hit"),
+                        ("error", "no verdict")):
+        if by.get(word):
+            parts.append(f"{label}: {', '.join(sorted(by[word]))}")
+    judged = [p["identical"] for p in presets.values() if p["identical"] is not None]
+    if judged:
+        parts.append(f"objects identical to lmcache-driven {sum(judged)}/{len(judged)}")
+    return "; ".join(parts)
+
+
+def engine_driven_table(patches_root: Path) -> str:
+    cells_ = _ed_cells(patches_root)
+    if not cells_:
+        return ""
+    lines = ["Engine-driven transfer (`mp_transfer_mode = engine_driven`, and `auto` on a CPU-only "
+             "worker), from `verify/evidence/engine-driven-gate.json` "
+             "(`scripts/engine_driven_evidence.py`): the CPU restore gate in that mode, per "
+             "preset, and for the stacked build whether its fs L2 objects are byte-identical to "
+             "an lmcache-driven store's.", "",
+             "| LMCache | " + " | ".join(ED_BUILDS.values()) + " |",
+             "|---|" + "---|" * len(ED_BUILDS)]
+    by = {(c["lmcache"], c["build"]): c for c in cells_}
+    for lm in sorted({c["lmcache"] for c in cells_}, key=Version):
+        row = [_ed_summary(by[(lm, b)]) if (lm, b) in by else "-" for b in ED_BUILDS]
+        lines.append(f"| {lm} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def ed_problems(patches_root: Path) -> list[str]:
+    return [f"{ED_EVIDENCE.relative_to(REPO)}: {c['lmcache']} {c['build']} was not made from the "
+            "shipped patches; rerun python3 scripts/engine_driven_evidence.py"
+            for c in _ed_cells(patches_root) if c["stale"]]
 
 
 def _lmcache_versions(patches_root: Path) -> list[str]:
@@ -153,6 +229,7 @@ def main() -> int:
     new = updated_readme(readme, render(patches_root, cells))
     if args.check:
         problems = manifest_mismatches(patches_root, cells[1]) if cells[0] else []
+        problems += ed_problems(patches_root)
         if new != readme:
             problems.append("README.md: support table is stale; run python "
                             "scripts/support_table.py")

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Generate ``verify/evidence/engine-driven-gate.json``: the CPU restore gate
+in engine-driven mode (``verify/restore_gate.py --transfer-mode
+engine_driven``: real ``lmcache server`` with only the engine-driven module,
+fs L2, SIGKILL, restart) per LMCache version and build, and for the stacked
+build the identity of its fs L2 objects with an lmcache-driven store's.
+``scripts/support_table.py`` renders the README's engine-driven table from it.
+
+    python3 scripts/engine_driven_evidence.py               # all versions (~20 min here)
+    python3 scripts/engine_driven_evidence.py --versions 0.5.6 --out /tmp/e.json
+
+Builds: ``pristine``; ``hybrid-fa`` (the shipped series, which does not touch
+the engine-driven path); ``stacked`` (hybrid-fa + engine-driven), where that
+set is shipped for the version.  Presets: the gate's vLLM 0.27-view presets
+plus the pure-attention k = 1 control.
+
+Schema (``"schema": 1``)::
+
+    {"schema": 1, "generated": "<UTC date>", "host": {...}, "seconds": int,
+     "cells": [{"lmcache": "0.5.6", "build": "pristine"|"hybrid-fa"|"stacked",
+                "patches_sha256": "<vllm_cells.patches_sha256 of the patches>" | null,
+                "presets": {"<preset>": {"k": int, "hybrid": bool,
+                    "outcome": "pass"|"refused"|"wrong"|"miss"|"error",
+                    "reason": "<first reason>",
+                    "identical": bool | null}}}]}
+
+``identical`` (stacked only): the preset's fs L2 objects from the
+engine-driven run equal, name for name (the run's model name aside) and
+byte for byte, those of an lmcache-driven run of the same build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "verify"))
+
+import provision  # noqa: E402
+from vllm_cells import patches_sha256  # noqa: E402
+
+from restore_gate import l2_objects  # noqa: E402
+from lmcache_patchtool_verify import geometry  # noqa: E402
+from lmcache_patchtool_verify.xver_outcome import preset as gate_preset  # noqa: E402
+
+VERSIONS = ("0.5.3", "0.5.4", "0.5.5", "0.5.6")
+OUT = REPO / "verify" / "evidence" / "engine-driven-gate.json"
+SCHEMA = 1
+PRESETS = [n for n, g in geometry.PRESETS.items() if g.gdn_view == "0.27"] + ["pure-attn-k1"]
+BUILDS = ("pristine", "hybrid-fa", "stacked")
+
+
+def build_patches(version: str, build: str, root: Path = REPO / "patches") -> list[Path] | None:
+    """The patches of a build, lowest set first; None: not shipped for the version."""
+    hybrid = sorted((root / "hybrid-fa" / version).glob("*.patch"))
+    if build == "pristine":
+        return []
+    if build == "hybrid-fa":
+        return hybrid
+    top = root / "engine-driven" / version
+    return hybrid + sorted(top.glob("*.patch")) if (top / "manifest.json").exists() else None
+
+
+def _log(msg: str) -> None:
+    print(f"[engine-driven-evidence {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_gate(version: str, overlay: Path, mode: str, keep: bool) -> dict:
+    python = provision.runtime_env(version) / "bin" / "python"
+    argv = [str(python), str(REPO / "verify" / "restore_gate.py"), "--json", "--no-stay-alive",
+            "--quiet", "--step-timeout", "30", "--transfer-mode", mode]
+    if keep:
+        argv.append("--keep-tmp")
+    for p in PRESETS:
+        argv += ["--preset", p]
+    env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600, cwd=str(REPO))
+    try:
+        report = json.loads(proc.stdout)
+    except ValueError:
+        raise SystemExit(f"engine_driven_evidence: gate {version} {mode}: no JSON report (rc "
+                         f"{proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}") from None
+    if report["versions"]["lmcache"] != version:
+        raise SystemExit(f"engine_driven_evidence: the gate ran lmcache {report['versions']['lmcache']}")
+    return report
+
+
+def outcome(p: dict) -> str:
+    """One word per preset: the gate passed, refused loudly, restored wrong
+    bytes or foreign writes, found nothing to restore, or reached no verdict."""
+    if p["verdict"] == "pass":
+        return "pass"
+    if p.get("loud_refusal"):
+        return "refused"
+    if p["verdict"] != "fail":
+        return "error"
+    restored = p.get("restored", {}).get("retrieve", {}).get("ok")
+    return "wrong" if restored else "miss"
+
+
+def l2_digests(report: dict, preset: str) -> dict[str, str]:
+    (p,) = [x for x in report["presets"] if x["preset"] == preset]
+    files = l2_objects(Path(report["cycles"][0]["workdir"], "l2"), p["model_name"])
+    return {f.name.replace(p["model_name"], "MODEL"): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in files}
+
+
+def _cleanup(report: dict) -> None:
+    for c in report.get("cycles", []):
+        shutil.rmtree(c["workdir"], ignore_errors=True)
+    if report.get("client_log"):
+        Path(report["client_log"]).unlink(missing_ok=True)
+
+
+def cell(version: str, build: str) -> dict | None:
+    patches = build_patches(version, build)
+    if patches is None:
+        return None
+    overlay = provision.overlay(version, patches or None)
+    stacked = build == "stacked"
+    _log(f"{version} {build}: engine-driven gate ({len(PRESETS)} presets)")
+    ed = run_gate(version, overlay, "engine_driven", keep=stacked)
+    ld = None
+    try:
+        if stacked:
+            _log(f"{version} {build}: lmcache-driven gate (object identity)")
+            ld = run_gate(version, overlay, "lmcache_driven", keep=True)
+        presets = {}
+        for p in ed["presets"]:
+            name = p["preset"]
+            g = gate_preset(name)
+            identical = None
+            if stacked and p["verdict"] == "pass":
+                mine, theirs = l2_digests(ed, name), l2_digests(ld, name)
+                identical = bool(mine) and mine == theirs
+            presets[name] = {"k": g.k, "hybrid": g.num_gdn_layers > 0, "outcome": outcome(p),
+                             "reason": (p.get("reasons") or [""])[0][:300], "identical": identical}
+    finally:
+        _cleanup(ed)
+        if ld is not None:
+            _cleanup(ld)
+    return {"lmcache": version, "build": build,
+            "patches_sha256": patches_sha256(patches) if patches else None, "presets": presets}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--versions", default=",".join(VERSIONS))
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args()
+    started = time.monotonic()
+    cells = [c for v in args.versions.split(",") for b in BUILDS if (c := cell(v, b)) is not None]
+    doc = {"schema": SCHEMA, "generated": time.strftime("%Y-%m-%d", time.gmtime()),
+           "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "device": "cpu"},
+           "seconds": round(time.monotonic() - started), "cells": cells}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    _log(f"wrote {out} ({doc['seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
