@@ -252,25 +252,46 @@ def inner(args: argparse.Namespace) -> int:
     full = args.chunk_blocks * (geo.num_fa_layers * geo.fa_block_bytes + geo.num_gdn_layers * geo.gdn_block_bytes)
     l1_gb = args.l1_size_gb or max(1.0, round(3 * 2 * (args.rounds + 1) * args.chunks * full / GIB, 2))
     client_log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-engine-driven-client-{os.getpid()}.log"
-    code, report = 0, {}
+    code = 0
     with rg.quiet_library_output(None if args.verbose else client_log) as (out, err):
         def say(text: str) -> None:
             if not args.quiet:
                 print(text, file=err, flush=True)
 
-        with procs.Supervisor() as sup:
-            workdir = sup.tempdir(prefix="bench-engine-driven-")
-            zp, hp = procs.free_ports(2)
-            spec = l1_only_spec(rg, zp, hp, chunk, l1_gb, workdir / "unused-l2", workdir, transfer_mode="auto")
-            server = rg.launch_server(sup, spec, "auto")
-            from lmcache_patchtool_verify import gate_client as gc  # noqa: PLC0415 - loads while the server boots
+        try:
+            report = measure(args, rg, geometry, procs, geo, chunk, l1_gb, info, say)
+        except Exception as exc:  # noqa: BLE001 - one line, the exit code says error
+            print(f"bench_engine_driven: ERROR: {type(exc).__name__}: {exc}", file=err, flush=True)
+            if not args.verbose:
+                print(f"(lmcache's client log: {client_log})", file=err, flush=True)
+            return 2
+        if args.json:
+            out.write(json.dumps(report, indent=2) + "\n")
+        else:
+            out.write(text_report(report))
+        code = 1 if report["failures"] else 0
+    if not args.verbose and not args.keep_log:
+        client_log.unlink(missing_ok=True)
+    return code
 
-            versions = rg.versions()
-            rg.await_server(server, spec, args.server_timeout)
-            say(f"lmcache {versions.get('lmcache')} ({args.build}: {len(info.get('patches', []))} patches) from "
-                f"{versions.get('lmcache_dir')}; server pid {server.pid}, --supported-transfer-mode auto, "
-                f"L1 {l1_gb:g} GB, no L2, chunk {chunk} tokens")
-            runs: dict[str, ModeRun] = {}
+
+def measure(args: argparse.Namespace, rg: Any, geometry: Any, procs: Any, geo: Any, chunk: int, l1_gb: float,
+            info: dict[str, Any], say) -> dict[str, Any]:
+    """Start the server, register a client per mode, run the rounds; the report."""
+    runs: dict[str, ModeRun] = {}
+    with procs.Supervisor() as sup:
+        workdir = sup.tempdir(prefix="bench-engine-driven-")
+        zp, hp = procs.free_ports(2)
+        spec = l1_only_spec(rg, zp, hp, chunk, l1_gb, workdir / "unused-l2", workdir, transfer_mode="auto")
+        server = rg.launch_server(sup, spec, "auto")
+        from lmcache_patchtool_verify import gate_client as gc  # noqa: PLC0415 - loads while the server boots
+
+        versions = rg.versions()
+        rg.await_server(server, spec, args.server_timeout)
+        say(f"lmcache {versions.get('lmcache')} ({args.build}: {len(info.get('patches', []))} patches) from "
+            f"{versions.get('lmcache_dir')}; server pid {server.pid}, --supported-transfer-mode auto, "
+            f"L1 {l1_gb:g} GB, no L2, chunk {chunk} tokens")
+        try:
             for mode in MODES:
                 runs[mode] = ModeRun(gc, geometry, geo, mode, spec, args)
             rng = random.Random(args.seed)
@@ -289,25 +310,17 @@ def inner(args: argparse.Namespace) -> int:
                         f"retrieve {row['retrieve_s']:.3f} s, {row['bytes'] / 2**20:.1f} MiB"
                         + (f"  PROBLEM: {problem}" if problem else ""))
                 if not server.alive():
-                    raise SystemExit(f"the server died:\n{server.log_tail()}")
+                    raise RuntimeError(f"the server died:\n{server.log_tail()}")
+        finally:
             for run in runs.values():
-                run.client.close(graceful=True)
-        summary = summarise(runs)
-        report = {"tool": "bench_engine_driven", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  "lmcache": versions.get("lmcache"), "build": args.build, "patches": info.get("patches", []),
-                  "preset": geo.name, "k": geo.k, "engine_groups": runs["engine_driven"].layout.num_groups,
-                  "chunk_tokens": chunk, "chunks": args.chunks, "rounds": args.rounds,
-                  "server": "one lmcache server, --supported-transfer-mode auto, L1 only; a client per mode",
-                  "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
-                  "failures": failures, **summary}
-        if args.json:
-            out.write(json.dumps(report, indent=2) + "\n")
-        else:
-            out.write(text_report(report))
-        code = 1 if failures else 0
-    if not args.verbose and not args.keep_log:
-        client_log.unlink(missing_ok=True)
-    return code
+                run.client.close(graceful=server.alive())
+    return {"tool": "bench_engine_driven", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "lmcache": versions.get("lmcache"), "build": args.build, "patches": info.get("patches", []),
+            "preset": geo.name, "k": geo.k, "engine_groups": runs["engine_driven"].layout.num_groups,
+            "chunk_tokens": chunk, "chunks": args.chunks, "rounds": args.rounds,
+            "server": "one lmcache server, --supported-transfer-mode auto, L1 only; a client per mode",
+            "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
+            "failures": failures, **summarise(runs)}
 
 
 def text_report(r: dict[str, Any]) -> str:

@@ -173,13 +173,38 @@ def _render_cells(columns: list[str], cells_: list) -> str:
     return "\n".join(lines)
 
 
+def _stacked_verified(patches_root: Path, version: str) -> bool:
+    """Whether the fresh engine-driven evidence has the stacked build of
+    ``version`` passing every preset with objects identical to lmcache-driven."""
+    for c in _ed_cells(patches_root):
+        if (c["lmcache"], c["build"]) == (version, "stacked") and not c["stale"]:
+            ps = c["presets"].values()
+            return bool(ps) and all(p["outcome"] == "pass" and p["identical"] for p in ps)
+    return False
+
+
+def wanted_vllm(patches_root: Path, row, cells_: list) -> list[str] | None:
+    """The vllm_versions a shipped manifest must carry (None: not judged here).
+    hybrid-fa: its verified cells.  engine-driven: the same cells, once its
+    stacked build passes the engine-driven gate with identical objects (the
+    connector, and so the vLLM side, is hybrid-fa's); else none."""
+    if row.state != "patch":
+        return None
+    want = vllm_cells.verified(cells_, row.lmcache_version)
+    if row.set == "hybrid-fa":
+        return want
+    if row.set == "engine-driven":
+        return want if _stacked_verified(patches_root, row.lmcache_version) else []
+    return None
+
+
 def manifest_mismatches(patches_root: Path, cells_: list) -> list[str]:
     """Manifests whose vllm_versions are not exactly their verified cells."""
     bad = []
     for row in list_patch_sets(patches_root):
-        if row.set != "hybrid-fa" or row.state != "patch":
+        want = wanted_vllm(patches_root, row, cells_)
+        if want is None:
             continue
-        want = vllm_cells.verified(cells_, row.lmcache_version)
         if list(row.vllm_versions) != want:
             bad.append(f"patches/{row.set}/{row.lmcache_version}/manifest.json: vllm_versions "
                        f"{list(row.vllm_versions)} but the evidence verifies {want}")
@@ -187,17 +212,15 @@ def manifest_mismatches(patches_root: Path, cells_: list) -> list[str]:
 
 
 def write_manifests(patches_root: Path, cells_: list) -> None:
-    """Rebuild each hybrid-fa manifest from its real wheel with the verified
+    """Rebuild each shipped manifest from its real wheel with the verified
     vLLM versions (the tool recomputes every hash; nothing else changes)."""
     import subprocess  # noqa: PLC0415
 
     import provision  # noqa: PLC0415
 
     for row in list_patch_sets(patches_root):
-        if row.set != "hybrid-fa" or row.state != "patch":
-            continue
-        want = vllm_cells.verified(cells_, row.lmcache_version)
-        if list(row.vllm_versions) == want or not want:
+        want = wanted_vllm(patches_root, row, cells_)
+        if want is None or list(row.vllm_versions) == want or not want:
             continue
         args = [sys.executable, "-m", "patchtool", "manifest", "build",
                 str(patches_root / row.set / row.lmcache_version),
