@@ -336,6 +336,7 @@ def text_report(r: dict[str, Any]) -> str:
         lines.append(f"  {mode:15} {m['bytes_median']:>14,.0f} {m['store_s_per_gib']:12.3f} "
                      f"{m['retrieve_s_per_gib']:15.3f} {m['store_retrieve_s_per_gib']:17.3f} "
                      f"{m['store_s_median']:8.3f} {m['retrieve_s_median']:8.3f}")
+    lines.append("  (store+retr: the median of each round's sum, not the sum of the two medians)")
     q = r["ratio_engine_to_lmcache"]
     lines.append(f"  engine-driven / lmcache-driven: store {q['store_s_per_gib']:.2f}x, "
                  f"retrieve {q['retrieve_s_per_gib']:.2f}x, store+retrieve {q['store_retrieve_s_per_gib']:.2f}x")
