@@ -79,9 +79,10 @@ def _status(spec: Any) -> dict[str, Any]:
     sm = doc["storage_manager"]
     l1 = sm.get("l1_manager") or next(iter(sm["l1_managers"].values()))
     sc = sm.get("store_controller") or next(iter(sm["store_controllers"].values()))
+    # 0.5.5's /status has no staging_object_count (0.5.6 added it): 0 there.
     return {"read_locked_count": l1["read_locked_count"], "write_locked_count": l1["write_locked_count"],
-            "staging_object_count": l1["staging_object_count"], "total_object_count": l1["total_object_count"],
-            "temporary_count": l1["temporary_count"], "active_sessions": doc.get("active_sessions"),
+            "staging_object_count": l1.get("staging_object_count", 0),
+            "total_object_count": l1["total_object_count"], "temporary_count": l1.get("temporary_count"), "active_sessions": doc.get("active_sessions"),
             "l2_store_pending_keys": sc.get("pending_keys_count"), "l2_store_in_flight": sc.get("in_flight_task_count")}
 
 
