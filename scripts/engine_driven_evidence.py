@@ -110,7 +110,9 @@ def outcome(p: dict) -> str:
 
 def l2_digests(report: dict, preset: str) -> dict[str, str]:
     (p,) = [x for x in report["presets"] if x["preset"] == preset]
-    files = l2_objects(Path(report["cycles"][0]["workdir"], "l2"), p["model_name"])
+    # The gate runs one server pair per chunk size: the preset's own cycle.
+    (cycle,) = [c for c in report["cycles"] if preset in c["presets"]]
+    files = l2_objects(Path(cycle["workdir"], "l2"), p["model_name"])
     return {f.name.replace(p["model_name"], "MODEL"): hashlib.sha256(f.read_bytes()).hexdigest()
             for f in files}
 

@@ -200,7 +200,9 @@ def _l2_digests(report: dict, preset: str) -> dict[str, str]:
 
     (p,) = [x for x in report["presets"] if x["preset"] == preset]
     model = p["model_name"]
-    files = l2_objects(Path(report["cycles"][0]["workdir"], "l2"), model)
+    # The gate runs one server pair per chunk size: the preset's own cycle.
+    (cycle,) = [c for c in report["cycles"] if preset in c["presets"]]
+    files = l2_objects(Path(cycle["workdir"], "l2"), model)
     return {f.name.replace(model, "MODEL"): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
 
 
