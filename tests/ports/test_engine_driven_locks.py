@@ -43,8 +43,8 @@ def stacked_patches(version: str = VERSION) -> list[Path]:
     return sorted((REPO / "patches" / "hybrid-fa" / version).glob("*.patch")) + engine
 
 
-def run_probe(overlay: Path, preset: str = PRESET, timeout: float = 120) -> dict:
-    python = provision.runtime_env(VERSION) / "bin" / "python"
+def run_probe(overlay: Path, preset: str = PRESET, timeout: float = 120, version: str = VERSION) -> dict:
+    python = provision.runtime_env(version) / "bin" / "python"
     env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}", NO_COLOR="1")
     proc = subprocess.run([str(python), "-m", "lmcache_patchtool_verify.ed_lock_probe", "--preset", preset],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=str(REPO))
@@ -56,8 +56,8 @@ def run_probe(overlay: Path, preset: str = PRESET, timeout: float = 120) -> dict
     return doc
 
 
-def assert_every_group_released(doc: dict, overlay: Path) -> None:
-    assert doc["versions"]["lmcache"] == VERSION
+def assert_every_group_released(doc: dict, overlay: Path, version: str = VERSION) -> None:
+    assert doc["versions"]["lmcache"] == version
     assert Path(doc["versions"]["lmcache_dir"]).resolve() == overlay.resolve(), "the probe did not run the overlay"
     assert doc["transfer_mode"] == "engine_driven"
     assert doc["server_argv"][doc["server_argv"].index("--supported-transfer-mode") + 1] == "engine_driven"
@@ -86,16 +86,24 @@ def assert_every_group_released(doc: dict, overlay: Path) -> None:
         assert d["evictable"] == d["keys"] > 0 and d["not_in_l1"] == 0, (g, d)
 
 
+def _versions() -> list[str]:
+    # 0.5.3 keeps a hybrid in one merged object group (no part 06): nothing to leak.
+    if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" and not os.environ.get(OVERLAY_ENV):
+        return ["0.5.4", "0.5.5", "0.5.6"]
+    return [VERSION]
+
+
 @pytest.mark.slow
-def test_engine_driven_retrieve_releases_every_object_groups_read_locks():
+@pytest.mark.parametrize("version", _versions())
+def test_engine_driven_retrieve_releases_every_object_groups_read_locks(version):
     override = os.environ.get(OVERLAY_ENV)
     if override:
         overlay = Path(override)
     else:
-        patches = stacked_patches()
+        patches = stacked_patches(version)
         if not patches:
-            pytest.skip(f"the engine-driven set for {VERSION} is absent (patches/engine-driven/{VERSION}/*.patch "
+            pytest.skip(f"the engine-driven set for {version} is absent (patches/engine-driven/{version}/*.patch "
                         "not committed yet): no build registers a hybrid engine-driven")
-        overlay = provision.overlay(VERSION, patches)
-    doc = run_probe(overlay)
-    assert_every_group_released(doc, overlay)
+        overlay = provision.overlay(version, patches)
+    doc = run_probe(overlay, version=version)
+    assert_every_group_released(doc, overlay, version)
