@@ -193,8 +193,13 @@ def run_ci(*, pin: str | None, requirements: str | None, wheel: str | None,
             ph.data = {"version": p.version, "requirement": p.requirement, "vllm": ctx["vllm"]}
 
         def patch_set(ph: Phase) -> None:
+            chosen = set_name
+            p = ctx["pin"]
+            if p.pinned_local:  # a pin of a wheel this tool built names its top set
+                chosen = wheelbuild.pinned_set(resources.patches_root(), p.requirement or p.source,
+                                               p.pinned_local, set_name)[1]
             pset = wheelbuild.locate_patch_set(resources.patches_root(), res.lmcache_version,
-                                               set_name)
+                                               chosen)
             m = pset.manifest
             res.patch_set, res.revision = pset.name, m.revision
             if m.state == STATE_FIXED_UPSTREAM:

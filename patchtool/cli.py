@@ -360,6 +360,11 @@ def cmd_wheel(args) -> int:
     if not args.requirement and not args.from_wheel:
         raise Refusal("wheel", "give lmcache==VERSION, or --from FILE.whl", ExitCode.USAGE)
     version = wheelbuild.parse_pin(args.requirement)[0] if args.requirement else None
+    pinned, set_name = version, args.set_name
+    if version is not None:
+        # A pin of a wheel this tool built names its sets: build that stack.
+        version, set_name = wheelbuild.pinned_set(resources.patches_root(), args.requirement,
+                                                  version, set_name)
     if args.from_wheel:
         found = wheelbuild.wheel_version(Path(args.from_wheel))
         if version is not None and found != version:
@@ -368,8 +373,13 @@ def cmd_wheel(args) -> int:
     assert version is not None
     from .stack import resolve
 
-    pset = wheelbuild.locate_patch_set(resources.patches_root(), version, args.set_name)
+    pset = wheelbuild.locate_patch_set(resources.patches_root(), version, set_name)
     layers = resolve(resources.patches_root(), pset)  # a stacked set builds its whole stack
+    if pinned is not None and pinned != version:
+        builds = f"{version}+{wheelbuild.stack_tag([(p.name, p.manifest.revision) for p in layers])}"
+        if builds != pinned:  # another revision than the shipped ones: nothing is built
+            raise Refusal(args.requirement, f"this patchtool builds {builds}, not {pinned}: pin "
+                          f"lmcache=={builds}, or use the patchtool that shipped {pinned}")
     with tempfile.TemporaryDirectory(prefix="patchtool-wheel-") as tmp:
         src = Path(args.from_wheel) if args.from_wheel else \
             wheelbuild.download(version, args.python or sys.executable, Path(tmp))

@@ -44,9 +44,14 @@ _LOCAL = re.compile(rf"^(?P<public>[^+]+)\+(?P<local>{_SEGMENT}(?:\.{_SEGMENT})*
 _PAIR = re.compile(r"([a-z0-9]+)\.r([0-9]+)")
 
 
+def set_tag(set_name: str) -> str:
+    """``hybrid-fa`` -> ``hybridfa``: a set's name in a local version ([a-z0-9])."""
+    return re.sub(r"[^a-z0-9]", "", set_name.lower())
+
+
 def local_tag(set_name: str, revision: int) -> str:
     """``hybrid-fa``, 1 -> ``hybridfa.r1`` (PEP 440 local segments: [a-z0-9])."""
-    return re.sub(r"[^a-z0-9]", "", set_name.lower()) + f".r{revision}"
+    return set_tag(set_name) + f".r{revision}"
 
 
 def stack_tag(segments: list[tuple[str, int]]) -> str:
@@ -73,6 +78,28 @@ def split_local(version: str) -> tuple[str, str | None, int | None]:
     if not segments:
         return version, None, None
     return public, segments[-1][0], segments[-1][1]
+
+
+def pinned_set(root: Path, pin: str, version: str, set_name: str | None) -> tuple[str, str | None]:
+    """The upstream version and the patch set a pin names.  A pin of a wheel
+    this tool built (``0.5.3+hybridfa.r3.enginedriven.r1``) names its top set
+    by the last local segment's tag; ``--set`` (``set_name``) must then agree.
+    Any other version: (version, ``set_name``).  The revisions in the pin are
+    not checked here: callers compare the built wheel's version with it."""
+    public, segments = split_stack(version)
+    if not segments:
+        return version, set_name
+    tag = segments[-1][0]
+    names = sorted(d.name for d in root.iterdir() if d.is_dir() and set_tag(d.name) == tag) \
+        if root.is_dir() else []
+    if len(names) != 1:
+        raise Refusal(pin, f"names the patch set tag {tag!r}, which this patchtool does not ship"
+                      if not names else f"names the patch set tag {tag!r}, which matches "
+                      f"{', '.join(names)}")
+    if set_name is not None and set_name != names[0]:
+        raise Refusal(pin, f"pins a build of patch set {names[0]}, but --set names {set_name}",
+                      ExitCode.USAGE)
+    return public, names[0]
 
 
 def parse_pin(text: str) -> tuple[str, str]:

@@ -60,3 +60,51 @@ def test_pip_and_uv_install_the_stacked_wheel(tmp_path, stacked, uv_bin):  # noq
                            str(py), stacked["path"]], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert _both_patched(py, stacked["version"])["installer"] == "uv"
+
+
+# ------------------------------------------------------------------ stacked pins
+
+
+def _pin(base: int, top: int) -> str:
+    return f"lmcache==0.5.3+hybridfa.r{base}.enginedriven.r{top}"
+
+
+def test_wheel_reads_the_stack_from_a_pin(tmp_path, wheel053):
+    if not (TOP / "manifest.json").exists():
+        pytest.skip("patches/engine-driven/0.5.3 is not committed yet")
+    base, top = _revisions()
+    r = cli("wheel", _pin(base, top), "--from", str(wheel053), "-o", str(tmp_path / "a"), "--json")
+    assert r.rc == 0, r.err
+    assert r.json["result"]["version"] == f"0.5.3+hybridfa.r{base}.enginedriven.r{top}"
+    assert [s["name"] for s in r.json["result"]["sets"]] == ["hybrid-fa", "engine-driven"]
+
+    # another revision than the shipped one: refused, nothing built
+    out = tmp_path / "b"
+    r = cli("wheel", _pin(base - 1, top), "--from", str(wheel053), "-o", str(out))
+    assert r.rc == 3 and r.err.count("\n") == 1, r.err
+    assert f"this patchtool builds 0.5.3+hybridfa.r{base}.enginedriven.r{top}" in r.err
+    assert not out.exists()
+    # a --set that contradicts the pin, and a tag no shipped set has
+    r = cli("wheel", _pin(base, top), "--set", "hybrid-fa", "--from", str(wheel053), "-o", str(out))
+    assert r.rc == 2 and "pins a build of patch set engine-driven, but --set names hybrid-fa" in r.err
+    r = cli("wheel", "lmcache==0.5.3+nosuchset.r1", "--from", str(wheel053), "-o", str(out))
+    assert r.rc == 3 and "names the patch set tag 'nosuchset'" in r.err
+    assert not out.exists()
+
+
+def test_ci_reads_the_stack_from_a_pin(tmp_path, runtime_python_053):
+    """The patch-set phase takes the set from the pin; the download is made to
+    fail (no index) so nothing heavier runs."""
+    if not (TOP / "manifest.json").exists():
+        pytest.skip("patches/engine-driven/0.5.3 is not committed yet")
+    base, top = _revisions()
+    env = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path)}
+    r = cli("ci", "--pin", _pin(base, top), "--python", str(runtime_python_053), "--json", env=env)
+    phases = {p["phase"]: p for p in r.json["result"]["phases"]}
+    assert phases["patch-set"]["result"] == "pass", phases["patch-set"]
+    assert phases["patch-set"]["detail"].startswith(
+        f"hybrid-fa revision {base} + engine-driven revision {top}")
+    assert phases["fetch"]["result"] != "pass" and r.rc != 0
+    r = cli("ci", "--pin", _pin(base, top), "--set", "hybrid-fa", "--python", str(runtime_python_053),
+            "--json", env=env)
+    assert r.rc == 2 and "pins a build of patch set engine-driven" in r.out + r.err
