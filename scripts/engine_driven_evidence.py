@@ -37,26 +37,22 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "verify"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from geometry_evidence import REPO, VERSIONS, gate_presets, gate_report  # noqa: E402  (puts verify/ on sys.path)
 import provision  # noqa: E402
 from vllm_cells import patches_sha256  # noqa: E402
 
 from restore_gate import l2_objects  # noqa: E402
-from lmcache_patchtool_verify import geometry  # noqa: E402
 from lmcache_patchtool_verify.xver_outcome import preset as gate_preset  # noqa: E402
 
-VERSIONS = ("0.5.3", "0.5.4", "0.5.5", "0.5.6")
 OUT = REPO / "verify" / "evidence" / "engine-driven-gate.json"
 SCHEMA = 1
-PRESETS = [n for n, g in geometry.PRESETS.items() if g.gdn_view == "0.27"] + ["pure-attn-k1"]
+PRESETS = gate_presets() + ["pure-attn-k1"]
 BUILDS = ("pristine", "hybrid-fa", "stacked")
 
 
@@ -76,23 +72,8 @@ def _log(msg: str) -> None:
 
 
 def run_gate(version: str, overlay: Path, mode: str, keep: bool) -> dict:
-    python = provision.runtime_env(version) / "bin" / "python"
-    argv = [str(python), str(REPO / "verify" / "restore_gate.py"), "--json", "--no-stay-alive",
-            "--quiet", "--step-timeout", "30", "--transfer-mode", mode]
-    if keep:
-        argv.append("--keep-tmp")
-    for p in PRESETS:
-        argv += ["--preset", p]
-    env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600, cwd=str(REPO))
-    try:
-        report = json.loads(proc.stdout)
-    except ValueError:
-        raise SystemExit(f"engine_driven_evidence: gate {version} {mode}: no JSON report (rc "
-                         f"{proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}") from None
-    if report["versions"]["lmcache"] != version:
-        raise SystemExit(f"engine_driven_evidence: the gate ran lmcache {report['versions']['lmcache']}")
-    return report
+    extra = ["--step-timeout", "30", "--transfer-mode", mode] + (["--keep-tmp"] if keep else [])
+    return gate_report(version, overlay, PRESETS, *extra, who="engine_driven_evidence")
 
 
 def outcome(p: dict) -> str:

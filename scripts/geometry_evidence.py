@@ -103,11 +103,15 @@ def gate_presets() -> list[str]:
     return [n for n, g in geometry.PRESETS.items() if g.gdn_view == "0.27"]
 
 
-def run_gate(version: str, overlay: Path) -> dict:
+def gate_report(version: str, overlay: Path, presets: list[str], *extra: str,
+                who: str = "geometry_evidence") -> dict:
+    """The restore gate's JSON report for ``presets``, run by ``version``'s
+    runtime interpreter with ``overlay`` on PYTHONPATH (checked: the report
+    must name ``version``).  Shared with scripts/engine_driven_evidence.py."""
     python = provision.runtime_env(version) / "bin" / "python"
     argv = [str(python), str(REPO / "verify" / "restore_gate.py"), "--json", "--no-stay-alive",
-            "--quiet"]
-    for p in gate_presets():
+            "--quiet", *extra]
+    for p in presets:
         argv += ["--preset", p]
     env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600,
@@ -115,10 +119,15 @@ def run_gate(version: str, overlay: Path) -> dict:
     try:
         report = json.loads(proc.stdout)
     except ValueError:
-        raise SystemExit(f"geometry_evidence: gate {version}: no JSON report (rc "
+        raise SystemExit(f"{who}: gate {version} {' '.join(extra)}: no JSON report (rc "
                          f"{proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}") from None
     if report["versions"]["lmcache"] != version:
-        raise SystemExit(f"geometry_evidence: the gate ran lmcache {report['versions']['lmcache']}")
+        raise SystemExit(f"{who}: the gate ran lmcache {report['versions']['lmcache']}")
+    return report
+
+
+def run_gate(version: str, overlay: Path) -> dict:
+    report = gate_report(version, overlay, gate_presets())
     return {p["preset"]: {"verdict": p["verdict"], "reasons": p.get("reasons", [])[:5]}
             for p in report["presets"]}
 

@@ -49,3 +49,17 @@ def one_line(r, rc: int, file: object, *needles: str) -> str:
     for n in needles:
         assert n in lines[0], lines[0]
     return lines[0]
+
+
+def stand_in_python(tmp_path: Path) -> Path:
+    """An interpreter the tool's up-front torch probe accepts without a real
+    torch: this one, with an empty ``torch`` package on PYTHONPATH.  Enough
+    for phases that only run scripts the tests replace or expect to fail."""
+    fake = tmp_path / "faketorch"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text("")
+    py = tmp_path / "python"
+    py.write_text(f'#!/bin/sh\nexport PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{fake}"\n'
+                  f'exec {sys.executable} "$@"\n')
+    py.chmod(0o755)
+    return py

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
-from _cli import cli, one_line
+from _cli import cli, one_line, stand_in_python
 
 from . import synthwheel as sw
 from .test_stacked_sets import TOP, make_stack, manifest, sp
@@ -46,13 +45,7 @@ def gate(tmp_path) -> dict:
     vroot = tmp_path / "verify"
     vroot.mkdir()
     (vroot / "restore_gate.py").write_text(STAND_IN_GATE)
-    fake = tmp_path / "faketorch"
-    (fake / "torch").mkdir(parents=True)
-    (fake / "torch" / "__init__.py").write_text("")
-    py = tmp_path / "python"
-    py.write_text(f'#!/bin/sh\nexport PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{fake}"\n'
-                  f'exec {sys.executable} "$@"\n')
-    py.chmod(0o755)
+    py = stand_in_python(tmp_path)
     return {"root": vroot, "python": str(py), "log": tmp_path / "gate.log"}
 
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _cli import CRASH_VAR, cli, one_line
+from _cli import CRASH_VAR, cli, one_line, stand_in_python
 
 from . import synthwheel as sw
 from .synthwheel import F1, F2, F3, SKIP, STATE_DIR, UNTOUCHED, tree_hashes
@@ -522,13 +522,7 @@ def test_ci_builds_installs_and_verifies_the_stack(tmp_path, wheel, stack_root):
     (this one, plus an empty ``torch`` package so the up-front probe accepts
     it): the stack is built, installed and classified patched with both sets.
     The round-trip phase then fails, as it must without a real torch."""
-    fake = tmp_path / "faketorch"
-    (fake / "torch").mkdir(parents=True)
-    (fake / "torch" / "__init__.py").write_text("")
-    py = tmp_path / "python"
-    py.write_text(f'#!/bin/sh\nexport PYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{fake}"\n'
-                  f'exec {sys.executable} "$@"\n')
-    py.chmod(0o755)
+    py = stand_in_python(tmp_path)
     r = cli("ci", "--wheel", str(wheel), "--set", TOP, "--python", str(py), "--json",
             "--check-timeout", "120", patches=stack_root)
     phases = {p["phase"]: p for p in r.json["result"]["phases"]}
