@@ -33,9 +33,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import os
-import platform
 import shutil
 import sys
 import time
@@ -43,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from geometry_evidence import REPO, VERSIONS, gate_presets, gate_report  # noqa: E402  (puts verify/ on sys.path)
+from geometry_evidence import REPO, VERSIONS, gate_presets, gate_report, write_evidence  # noqa: E402  (puts verify/ on sys.path)
 import provision  # noqa: E402
 from vllm_cells import patches_sha256  # noqa: E402
 
@@ -143,13 +140,8 @@ def main() -> int:
     args = ap.parse_args()
     started = time.monotonic()
     cells = [c for v in args.versions.split(",") for b in BUILDS if (c := cell(v, b)) is not None]
-    doc = {"schema": SCHEMA, "generated": time.strftime("%Y-%m-%d", time.gmtime()),
-           "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "device": "cpu"},
-           "seconds": round(time.monotonic() - started), "cells": cells}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    _log(f"wrote {out} ({doc['seconds']} s)")
+    doc = write_evidence(Path(args.out), SCHEMA, cells, started)
+    _log(f"wrote {args.out} ({doc['seconds']} s)")
     return 0
 
 

@@ -151,6 +151,17 @@ def cell(version: str, build: str) -> dict:
             "series_sha256": series_sha256(version) if patches else None, "presets": presets}
 
 
+def write_evidence(out: Path, schema: int, cells: list[dict], started: float) -> dict:
+    """Write an evidence file: schema, UTC date, host, seconds since
+    ``started`` (monotonic), the cells.  Shared with engine_driven_evidence."""
+    doc = {"schema": schema, "generated": time.strftime("%Y-%m-%d", time.gmtime()),
+           "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "device": "cpu"},
+           "seconds": round(time.monotonic() - started), "cells": cells}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    return doc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--versions", default=",".join(VERSIONS))
@@ -158,13 +169,8 @@ def main() -> int:
     args = ap.parse_args()
     started = time.monotonic()
     cells = [cell(v, b) for v in args.versions.split(",") for b in ("pristine", "patched")]
-    doc = {"schema": SCHEMA, "generated": time.strftime("%Y-%m-%d", time.gmtime()),
-           "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "device": "cpu"},
-           "seconds": round(time.monotonic() - started), "cells": cells}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
-    _log(f"wrote {out} ({doc['seconds']} s)")
+    doc = write_evidence(Path(args.out), SCHEMA, cells, started)
+    _log(f"wrote {args.out} ({doc['seconds']} s)")
     return 0
 
 
