@@ -51,8 +51,9 @@ def render(patches_root: Path, cells: tuple[list[str], list] | None = None) -> s
             state = row.state
         files = ", ".join(f"`{Path(f).name}`" for f in row.files) or "-"
         vllm = ", ".join(row.vllm_versions) or "-"
-        name = row.set + (f" (on {', '.join(row.requires)})" if row.requires else "")
-        out.append(f"| {row.lmcache_version} | {name} | {vllm} | {state} | {row.patches} | {files} |")
+        if row.requires:
+            state += f", stacked on {', '.join(row.requires)}"
+        out.append(f"| {row.lmcache_version} | {row.set} | {vllm} | {state} | {row.patches} | {files} |")
     out.append("")
     out.append("Any other LMCache version is reported as `unsupported-version` by `patchtool status`.")
     columns, cells_ = cells if cells is not None else _cells(patches_root)
