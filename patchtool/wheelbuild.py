@@ -38,7 +38,7 @@ from .manifest import sha256_file
 PROVENANCE_FILE = "lmcache_patchtool.json"
 PROVENANCE_SCHEMA = "lmcache-patchtool/wheel-provenance/v1"
 # The local version this tool writes: "<set, alphanumerics only>.r<revision>" per
-# set of the stack, lowest first ("hybridfa.r3.enginedriven.r1").
+# set of the stack, lowest first ("hybridfa.r3.enginedriven.r2").
 _SEGMENT = r"[a-z0-9]+\.r[0-9]+"
 _LOCAL = re.compile(rf"^(?P<public>[^+]+)\+(?P<local>{_SEGMENT}(?:\.{_SEGMENT})*)$")
 _PAIR = re.compile(r"([a-z0-9]+)\.r([0-9]+)")
@@ -55,15 +55,15 @@ def local_tag(set_name: str, revision: int) -> str:
 
 
 def stack_tag(segments: list[tuple[str, int]]) -> str:
-    """[(``hybrid-fa``, 3), (``engine-driven``, 1)] -> ``hybridfa.r3.enginedriven.r1``:
+    """[(``hybrid-fa``, 3), (``engine-driven``, 2)] -> ``hybridfa.r3.enginedriven.r2``:
     every set of the stack and its revision, lowest first (PEP 440 local
     segments, so pip and uv compare and install it like any local version)."""
     return ".".join(local_tag(name, rev) for name, rev in segments)
 
 
 def split_stack(version: str) -> tuple[str, list[tuple[str, int]]]:
-    """``0.5.3+hybridfa.r3.enginedriven.r1`` -> (``0.5.3``, [(``hybridfa``, 3),
-    (``enginedriven``, 1)]); a version without this tool's tag -> (version, [])."""
+    """``0.5.3+hybridfa.r3.enginedriven.r2`` -> (``0.5.3``, [(``hybridfa``, 3),
+    (``enginedriven``, 2)]); a version without this tool's tag -> (version, [])."""
     m = _LOCAL.match(version)
     if not m:
         return version, []
@@ -82,7 +82,7 @@ def split_local(version: str) -> tuple[str, str | None, int | None]:
 
 def pinned_set(root: Path, pin: str, version: str, set_name: str | None) -> tuple[str, str | None]:
     """The upstream version and the patch set a pin names.  A pin of a wheel
-    this tool built (``0.5.3+hybridfa.r3.enginedriven.r1``) names its top set
+    this tool built (``0.5.3+hybridfa.r3.enginedriven.r2``) names its top set
     by the last local segment's tag; ``--set`` (``set_name``) must then agree.
     Any other version: (version, ``set_name``).  The revisions in the pin are
     not checked here: callers compare the built wheel's version with it."""

@@ -26,7 +26,10 @@ Schema (``"schema": 1``)::
 
 ``identical`` (stacked only): the preset's fs L2 objects from the
 engine-driven run equal, name for name (the run's model name aside) and
-byte for byte, those of an lmcache-driven run of the same build.
+byte for byte, those of an lmcache-driven run of the same build.  Both runs
+pass ``--client-malloc-perturb``: the worker's new memory starts as 0xA5, the
+servers' as zeros, so a byte that no transfer writes (revision 1's staging
+tail of windowed groups) makes the objects differ every time.
 """
 
 from __future__ import annotations
@@ -69,7 +72,10 @@ def _log(msg: str) -> None:
 
 
 def run_gate(version: str, overlay: Path, mode: str, keep: bool) -> dict:
-    extra = ["--step-timeout", "30", "--transfer-mode", mode] + (["--keep-tmp"] if keep else [])
+    # The client (engine-driven worker) starts new memory as 0xA5, not zeros:
+    # an object byte no transfer writes cannot match the other mode by chance.
+    extra = ["--step-timeout", "30", "--transfer-mode", mode, "--client-malloc-perturb", "0x5A"] + \
+        (["--keep-tmp"] if keep else [])
     return gate_report(version, overlay, PRESETS, *extra, who="engine_driven_evidence")
 
 

@@ -980,6 +980,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(default lmcache_driven; engine_driven: the worker gathers/scatters CPU bytes, "
                          "PREPARE/COMMIT; auto: the server loads both modules and the clients pick by "
                          "device, i.e. engine_driven on CPU); docs/design/engine-driven.md")
+    ap.add_argument("--client-malloc-perturb", type=lambda v: int(v, 0), metavar="BYTE",
+                    help="glibc mallopt(M_PERTURB, BYTE) in this (client) process, servers untouched: "
+                         "memory the worker allocates then starts as BYTE^0xff instead of zeros or an "
+                         "earlier allocation's bytes, so an object byte that no transfer writes shows up "
+                         "in the object-identity comparison every time (e.g. 0x5A)")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temporary directories (logs, L2 files)")
     ap.add_argument("--verbose", action="store_true", help="let lmcache's client-side logging through to stderr")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -1051,6 +1056,22 @@ def quiet_library_output(log_path: Path | None) -> Iterator[Any]:
         err.close()
 
 
+def malloc_perturb(byte: int) -> None:
+    """glibc ``mallopt(M_PERTURB, byte)`` for this process (the gate's client,
+    which is the engine-driven worker): new heap memory is filled with
+    ``byte ^ 0xff``, freed memory with ``byte``, instead of whatever it held.
+    ``M_MMAP_THRESHOLD`` goes to glibc's maximum so large buffers come from
+    the heap too, not from fresh (zeroed) mappings."""
+    import ctypes  # noqa: PLC0415
+
+    if not 0 < byte < 256:
+        raise SystemExit(f"restore_gate.py: --client-malloc-perturb {byte}: give a byte 1..255")
+    libc = ctypes.CDLL(None)
+    m_mmap_threshold, m_perturb = -3, -6
+    if not (libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024) and libc.mallopt(m_perturb, byte)):
+        raise SystemExit("restore_gate.py: --client-malloc-perturb: mallopt refused (not glibc?)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list_presets:
@@ -1058,6 +1079,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{g.name:18} {g.description}")
         return EXIT_PASS
     t_start = time.monotonic()
+    if args.client_malloc_perturb is not None:
+        malloc_perturb(args.client_malloc_perturb)
     os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
     client_log = None if args.verbose else Path(os.environ.get("TMPDIR", "/tmp")) / \
         f"lmcache-restore-gate-client-{os.getpid()}.log"

@@ -53,6 +53,11 @@ ALL_PRESETS = [*HYBRIDS, "pure-attn-bs128", "pure-attn-k1"]
 # k = 1 control (pristine keys and bytes).
 IDENTITY_PRESETS = ["qwen35-0.8b", "pure-attn-bs128", "pure-attn-k1"]
 STACKED = "stacked"  # hybrid-fa + engine-driven
+# The gate client (the engine-driven worker) fills new memory with 0xA5
+# instead of zeros: an object byte no transfer writes (a windowed group's
+# staging tail before part zero-window-tail) then differs from the
+# lmcache-driven server's every time, not only when the allocator reuses.
+CLIENT_PERTURB = ("--client-malloc-perturb", "0x5A")
 MODE = ("--transfer-mode", "engine_driven")
 
 
@@ -242,7 +247,7 @@ def test_engine_driven_stacked_restores_every_preset_with_lmcache_driven_objects
         for mode, presets in (("engine_driven", ALL_PRESETS), ("lmcache_driven", IDENTITY_PRESETS)):
             proc, reports[mode], _ = run_gate(_python(version), _overlay(version, STACKED), presets,
                                               "--transfer-mode", mode, "--no-stay-alive", "--keep-tmp",
-                                              "--step-timeout", "30")
+                                              "--step-timeout", "30", *CLIENT_PERTURB)
             assert reports[mode]["versions"]["lmcache"] == version
             assert proc.returncode == 0, (mode, reports[mode]["reason"])
         for name, p in by_preset(reports["engine_driven"]).items():

@@ -69,3 +69,62 @@ def test_apply_status_verify_crash_and_revert_the_shipped_stack(tmp_path, bare_e
     assert r.rc == 0, r.err
     assert r.json["result"]["state_after"] == "pristine"
     assert tree_hashes(site, SKIP) == pristine  # files and RECORD, byte for byte
+
+
+# Revision 2 appended one part (zero-window-tail: 03 on 0.5.3/0.5.5/0.5.6, 04
+# on 0.5.4); revision 1 is the shipped parts without it.
+ADDED_BY_TOP_R2 = "-zero-window-tail.patch"
+
+
+@pytest.mark.parametrize("version", _stacked_versions() or [None],
+                         ids=lambda v: "none-yet" if v is None else v)
+def test_engine_driven_revision1_install_upgrades_with_apply(tmp_path, bare_envs, version):
+    """An install stacked with engine-driven revision 1 (by the tool before
+    revision 2) is ``patched-older-revision`` for that set alone; verify
+    exits 9, ``apply --set engine-driven`` brings it to the shipped revision,
+    and revert still gives back the wheel's bytes."""
+    if version is None:
+        pytest.skip("no patches/engine-driven/<version>/manifest.json committed yet")
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import provision  # noqa: PLC0415
+
+    shipped = REPO / "patches" / TOP / version
+    manifest = json.loads((shipped / "manifest.json").read_text())
+    assert manifest["revision"] == 2
+    root = tmp_path / "r1"
+    shutil.copytree(REPO / "patches" / BASE, root / BASE)
+    older = root / TOP / version
+    older.mkdir(parents=True)
+    for p in sorted(shipped.glob("*.patch")):
+        if not p.name.endswith(ADDED_BY_TOP_R2):
+            shutil.copy2(p, older / p.name)
+    r = cli("manifest", "build", str(older), "--wheel", str(provision.wheel(version)),
+            "--revision", "1", "--requires", BASE, "--json")
+    assert r.rc == 0, r.err
+    built = json.loads((older / "manifest.json").read_text())
+    (prev,) = [p for p in manifest["previous_revisions"] if p["revision"] == 1]
+    assert {p: f["post"] for p, f in built["files"].items()} == prev["files"]
+
+    fresh = site_of(bare_envs[version])
+    venv = copy_venv(bare_envs[version], tmp_path / "venv")
+    site, py = site_of(venv), str(venv / "bin" / "python")
+    pristine = tree_hashes(fresh, SKIP)
+    r = cli("apply", "--python", py, "--set", TOP, env={"LMCACHE_PATCHTOOL_PATCHES": str(root)})
+    assert r.rc == 0, r.err
+
+    st = cli("status", "--python", py, "--json").json["result"]
+    assert _sets(st) == [(BASE, "patched"), (TOP, "patched-older-revision")], st["detail"]
+    assert st["next_command"] == f"patchtool apply --python {py} --set {TOP}"
+    assert cli("verify", "--python", py).rc == 9
+    r = cli("apply", "--python", py, "--set", TOP, "--json")
+    assert r.rc == 0, r.err
+    assert (r.json["result"]["state_before"], r.json["result"]["state_after"]) == \
+        ("patched-older-revision", "patched")
+    st = cli("status", "--python", py, "--json").json["result"]
+    assert _sets(st) == [(BASE, "patched"), (TOP, "patched")], st["detail"]
+    assert _record_ok(site)[1] == []
+    assert cli("revert", "--python", py).rc == 0
+    assert tree_hashes(site, SKIP) == pristine
