@@ -136,6 +136,30 @@ def test_unknown_preset_is_a_usage_error() -> None:
 # ---------------------------------------------------------------------------
 
 
+def test_client_malloc_perturb_fills_new_memory_and_refuses_a_non_byte() -> None:
+    """--client-malloc-perturb: after it, this process's new heap memory holds
+    BYTE ^ 0xff (what the engine-driven identity check relies on: a byte no
+    transfer writes is then never zero by chance); 0 or 256 is refused in
+    one line before anything starts."""
+    probe = (
+        "import ctypes, sys; sys.path.insert(0, sys.argv[1]); import restore_gate\n"
+        "libc = ctypes.CDLL(None); libc.malloc.restype = ctypes.c_void_p\n"
+        "restore_gate.malloc_perturb(0x5A)\n"
+        "p = libc.malloc(8 << 20)\n"
+        "print(set(ctypes.string_at(p, 8 << 20)))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", probe, str(REPO / "verify")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "{165}"  # 0xA5 in every byte of an 8 MiB block
+    for bad in ("0", "256"):
+        r = subprocess.run([sys.executable, str(GATE), "--client-malloc-perturb", bad, "--preset",
+                            "qwen35-0.8b"], capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0
+        assert r.stderr.strip().splitlines() == [
+            f"restore_gate.py: --client-malloc-perturb {int(bad)}: give a byte 1..255"]
+
+
 def test_pristine_053_subpaged_fails_and_k1_passes(runtime_python_053: Path, pristine_overlay_053: Path) -> None:
     proc, report, took = run_gate(runtime_python_053, pristine_overlay_053, ["qwen35-0.8b", "control-k1"])
     assert proc.returncode == 1, proc.stderr[-4000:]
