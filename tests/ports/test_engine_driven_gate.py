@@ -244,7 +244,10 @@ def test_engine_driven_stacked_restores_every_preset_with_lmcache_driven_objects
     version = _need(version)
     reports = {}
     try:
-        for mode, presets in (("engine_driven", ALL_PRESETS), ("lmcache_driven", IDENTITY_PRESETS)):
+        # CI leaves out gdn-27b (a server pair of its own); FULL=1 and the evidence run it.
+        ed_presets = ALL_PRESETS if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" \
+            else [p for p in ALL_PRESETS if p != "gdn-27b"]
+        for mode, presets in (("engine_driven", ed_presets), ("lmcache_driven", IDENTITY_PRESETS)):
             proc, reports[mode], _ = run_gate(_python(version), _overlay(version, STACKED), presets,
                                               "--transfer-mode", mode, "--no-stay-alive", "--keep-tmp",
                                               "--step-timeout", "30", *CLIENT_PERTURB)

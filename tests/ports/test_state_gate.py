@@ -11,7 +11,7 @@ Measured (qwen35-0.8b, C = N and C = 2N, 8 blocks):
   wrong-state hit); 0.5.4/0.5.5 also restore 0 of the attention pages (1/k);
 * patched (part 06) hits exactly the ideal 4 blocks with the true state.
 
-CI runs C = N for 0.5.4-0.5.6; LMCACHE_PATCHTOOL_FULL=1 adds C = 2N."""
+CI runs C = N for 0.5.4 and 0.5.6; LMCACHE_PATCHTOOL_FULL=1 adds 0.5.5 and C = 2N."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ import pytest
 
 from .harness_run import REPO, provision, series
 
-VERSIONS = ("0.5.4", "0.5.5", "0.5.6")
+# CI: 0.5.4 and 0.5.6 (keeps the cold run under 50 min); FULL=1 adds 0.5.5.
+VERSIONS = ("0.5.4", "0.5.5", "0.5.6") if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" \
+    else ("0.5.4", "0.5.6")
 CHUNK_BLOCKS = (1, 2) if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else (1,)
 
 
