@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
+import provision  # tests/conftest.py puts scripts/ on sys.path
 import pytest
 
 from patchtool.fsio import CRASH_EXIT, FAULT_ENV as CRASH_ENV
@@ -94,12 +96,6 @@ def test_engine_driven_revision1_install_upgrades_with_apply(tmp_path, bare_envs
     and revert still gives back the wheel's bytes."""
     if version is None:
         pytest.skip("no patches/engine-driven/<version>/manifest.json committed yet")
-    import shutil
-    import sys
-
-    sys.path.insert(0, str(REPO / "scripts"))
-    import provision  # noqa: PLC0415
-
     shipped = REPO / "patches" / TOP / version
     manifest = json.loads((shipped / "manifest.json").read_text())
     assert manifest["revision"] == 2
