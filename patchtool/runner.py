@@ -27,6 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from .errors import Refusal
 
@@ -134,9 +135,11 @@ class ScriptRun:
 
 
 def run_script(env: RunEnv, script: Path, args: list[str], report_opt: str, *,
-               timeout: float | None = None, echo: bool = False) -> ScriptRun:
+               timeout: float | None = None,
+               echo: bool | Callable[[str], bool] = False) -> ScriptRun:
     """Run ``script`` by path; ``report_opt`` is the script's option that
-    writes its JSON report to a file (``--json-out``, ``--out``)."""
+    writes its JSON report to a file (``--json-out``, ``--out``).  ``echo``
+    streams the script's stderr to ours: every line, or those it accepts."""
     if not script.is_file():
         raise Refusal(script, "verification script not found (see `patchtool/resources.py`)")
     with tempfile.TemporaryDirectory(prefix="patchtool-check-") as tmp:
@@ -153,7 +156,7 @@ def run_script(env: RunEnv, script: Path, args: list[str], report_opt: str, *,
             assert proc.stderr is not None
             for line in proc.stderr:
                 tail.append(line.rstrip("\n"))
-                if echo:
+                if echo is True or (callable(echo) and echo(line)):
                     sys.stderr.write(line)
                     sys.stderr.flush()
 

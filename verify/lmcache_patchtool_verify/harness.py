@@ -44,7 +44,8 @@ Run by path in the target interpreter through ``verify/roundtrip.py``, e.g.::
     ... verify/roundtrip.py --json --cell preset=gdn-27b,chunk_blocks=2,num_chunks=5,skip_blocks=3
 
 The JSON goes to stdout (LMCache's logging is moved to stderr); ``--out FILE``
-writes it to a file as well.  Exit status: 0 when every cell ran (whether or not
+writes it to a file as well.  Each finished cell prints one progress line on
+stderr (``roundtrip: [3/7] FAIL <cell>: <reasons> (1.2 s)``).  Exit status: 0 when every cell ran (whether or not
 it passed -- pristine 0.5.3 is expected to fail), 2 on a harness error.
 """
 
@@ -61,7 +62,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import geometry
 
@@ -83,7 +84,7 @@ class Cell:
     chunk_blocks: int = 1  # C = chunk_blocks * N
     num_chunks: int = 3
     skip_blocks: int = 0  # logical blocks of already-cached prefix skipped on retrieve
-    ids: str = "scattered"  # scattered | identity (store and retrieve ids 0..m-1)
+    ids: str = "scattered"  # scattered | identity (store and retrieve ids 1..m)
     path: str = "python"  # python | native (CPU: emulated execute_object_group_transfer) | direct (CUDA only)
     seed: int = 1234
 
@@ -116,7 +117,7 @@ def matrix(name: str, path: str = "python") -> list[Cell]:
         cells = [
             Cell("qwen35-0.8b", 1, 3, 0),
             Cell("qwen35-0.8b", 2, 5, 3),  # batched retrieve (4 + 1), skip mid-chunk
-            Cell("qwen35-0.8b", 1, 2, 0, ids="identity"),  # the reporter's "first page only" case
+            Cell("qwen35-0.8b", 1, 2, 0, ids="identity"),  # store and retrieve into the same ids
             Cell("control-k1", 1, 3, 0),
             Cell("control-k1", 2, 5, 3),
             Cell("pure-attn-bs128", 2, 5, 2),
@@ -475,9 +476,14 @@ def run_cell(cell: Cell, opts: Options) -> dict:
     present = [x for x in ("gdn", "fa") if (gdn_layers if x == "gdn" else fa_layers)]
 
     if cell.ids == "identity":
+        # The same ids on store and retrieve, in order, from 1: block 0 is
+        # vLLM's null block, which never backs a request's tokens, and 0.5.4+
+        # servers rightly skip storing a chunk whose ids are all 0
+        # (``all_null_chunk_masks``): ids from 0 would make a one-block chunk 0
+        # a hole that no engine request can produce.
         nb = m + 2
-        src_ids = {x: list(range(m)) for x in present}
-        dst_ids = {x: list(range(m)) for x in present}
+        src_ids = {x: list(range(1, m + 1)) for x in present}
+        dst_ids = {x: list(range(1, m + 1)) for x in present}
     elif cell.ids == "scattered":
         nb = m + max(3, m // 2) + 1
         src_ids = {x: _pick_ids(rng, nb, m) for x in present}
@@ -921,7 +927,7 @@ def run(cells: list[Cell], opts: Options) -> dict:
 
         desc = hc.availability()[1] if opts.device == "cuda" else "CPU tensors through the --device cuda code path"
         doc["device"] = {"type": opts.device, "description": desc, "transfer": hc.native_status()}
-    for cell in cells:
+    for i, cell in enumerate(cells, 1):
         t0 = time.perf_counter()
         try:
             res = run_cell(cell, opts)
@@ -930,12 +936,29 @@ def run(cells: list[Cell], opts: Options) -> dict:
                    "traceback": traceback.format_exc(), "verdict": {"pass": False, "reasons": ["harness error"]}}
         res["wall_s"] = time.perf_counter() - t0
         doc["cells"].append(res)
+        print(progress_line(i, len(cells), res), file=sys.stderr, flush=True)
     doc["summary"] = {
         "cells": len(doc["cells"]),
         "passed": sum(1 for c in doc["cells"] if c["verdict"]["pass"]),
         "errors": sum(1 for c in doc["cells"] if "error" in c),
     }
     return doc
+
+
+PROGRESS_PREFIX = "roundtrip: "
+
+
+def progress_line(done: int, total: int, res: dict) -> str:
+    """One stderr line per finished cell (``patchtool verify`` shows these live):
+    ``roundtrip: [3/7] FAIL <cell>: <reasons> (1.2 s)``."""
+    if "error" in res:
+        word, why = "ERROR", f": {res['error']}"
+    elif res["verdict"]["pass"]:
+        word, why = "pass", ""
+    else:
+        word, why = "FAIL", ": " + "; ".join(res["verdict"]["reasons"])
+    line = f"{PROGRESS_PREFIX}[{done}/{total}] {word} {res['name']}{why}"
+    return " ".join(line.split()) + f" ({res['wall_s']:.1f} s)"
 
 
 def _table(doc: dict) -> str:
@@ -957,7 +980,11 @@ def _table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prepare: Callable[[], None] | None = None) -> int:
+    """The CLI.  ``prepare`` runs after the arguments are checked and before
+    any cell: the drivers pass :func:`ports_compat.install`, which adapts the
+    harness to the lmcache it finds (and needs torch, so ``--help`` must not
+    reach it)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the JSON report on stdout")
     ap.add_argument("--out", help="also write the JSON report to this file")
@@ -1013,6 +1040,8 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     try:
+        if prepare is not None:
+            prepare()
         doc = run(cells, opts)
     except Exception:
         traceback.print_exc()
