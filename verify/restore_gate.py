@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from lmcache_patchtool_verify import geometry, procs
+from lmcache_patchtool_verify import geometry, procs, tier_objects
 from lmcache_patchtool_verify.xver_outcome import classify
 from lmcache_patchtool_verify.xver_outcome import preset as gate_preset
 from lmcache_patchtool_verify.xver_state import STATE_SCHEMA, expected_digest, l2_listing, regenerate_expected
@@ -68,6 +68,8 @@ HEALTH_PATH = "/healthcheck"
 ENGINE_DRIVEN_REFUSALS = ("engine-driven transfer does not support hybrid KV cache groups",
                           "engine-driven transfer does not support multiple KV transfer groups")
 TRANSFER_MODES = ("lmcache_driven", "engine_driven", "auto")
+# --copies: copy i of a preset uses seed + i * COPY_SEED_STEP (a run also draws seed + 1).
+COPY_SEED_STEP = 100
 _PREFETCH_LINE = re.compile(r"Prefetch request completed \(L1\+L2\): (\d+)/(\d+) retained keys "
                             r"\((\d+) L1, (\d+) L2\).*external_request_id=([^,\s)]+)")
 
@@ -190,6 +192,18 @@ def kill_server(proc: procs.ManagedProcess) -> dict[str, Any]:
     shm.unlink(missing_ok=True)
     return {"signal": "SIGKILL", "returncode": proc.returncode, "group_gone": not procs.group_members(proc.pgid),
             "l1_shm_segment": str(shm), "l1_shm_left_by_kill": left, "l1_shm_removed": not shm.exists()}
+
+
+def l2_adapters_status(spec: ServerSpec) -> list[dict[str, Any]] | str:
+    """``GET /status`` -> ``storage_manager.l2_adapters`` (each adapter's
+    ``report_status()``), or the error text: recorded, never the verdict."""
+    import urllib.request  # noqa: PLC0415
+
+    try:
+        with urllib.request.urlopen(f"http://{spec.host}:{spec.http_port}/status", timeout=10) as resp:  # noqa: S310
+            return json.loads(resp.read())["storage_manager"]["l2_adapters"]
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
 
 
 def server_lmcache_dir(pid: int) -> str | None:
@@ -335,7 +349,9 @@ class Gate:
         with procs.Supervisor(keep_paths=args.keep_tmp) as sup:
             self.sup = sup
             for n, (chunk, names) in enumerate(cycles, 1):
-                runs = [PresetRun(gate_preset(name), chunk, args.chunks, args.seed) for name in names]
+                # --copies: independent requests per preset (own model name, own seed)
+                runs = [PresetRun(gate_preset(name), chunk, args.chunks, args.seed + COPY_SEED_STEP * i)
+                        for name in names for i in range(args.copies)]
                 self.runs.extend(runs)
                 self.d.head(f"[cycle {n}/{len(cycles)}] chunk size {chunk} tokens: {', '.join(names)}")
                 if args.phase == "store":
@@ -531,6 +547,7 @@ class Gate:
                      "seed": r.seed, "num_blocks": r.num_blocks, "tokens": r.tokens, "src_ids": r.src_ids,
                      "dst_ids": r.dst_ids, "error": r.error,
                      "expected_sha256": expected_digest(r.expected) if r.expected else None,
+                     "chunk_hashes": tier_objects.chunk_hashes(r.tokens, r.chunk_size, r.chunks) if r.tokens else None,
                      "engine_groups": _json_infos(r.layout.infos if r.layout else None),
                      "stored": r.result.get("stored"), "on_disk": r.result.get("on_disk")}
             entries.append(entry)
@@ -572,6 +589,7 @@ class Gate:
                     if not r.error:
                         r.result["on_disk"] = {"model_fields": l2_listing(l2_objects(l2_dir, r.model))}
                 self._restore_all(cycle, runs, spec, server)
+                cycle["l2_adapters_status"] = l2_adapters_status(spec)
                 with self.phase(cycle, "shutdown"):
                     cycle["servers"][-1]["kill"] = kill_server(server)
             self.cleanup_errors = sup.cleanup_errors
@@ -944,6 +962,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="logical blocks per LMCache chunk (chunk size = this x N; default 2)")
     ap.add_argument("--chunk-size", type=int, help="explicit LMCache chunk size in tokens (overrides --chunk-blocks)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--copies", type=int, default=1,
+                    help="--phase store: independent requests per preset, each under its own model name, "
+                         f"copy i with seed + {COPY_SEED_STEP}*i (default 1)")
     ap.add_argument("--window-rule", choices=list(geometry.WINDOW_RULES), default="connector",
                     help="EngineGroupInfo window fields the clients send: connector (the installed connector's "
                          "own rule: 0.5.4+ give the GDN group sw_size_tokens = N; default) | none | end")
@@ -1006,6 +1027,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.preset = list(dict.fromkeys(out))
     if args.chunks < 1 or args.chunk_blocks < 1:
         ap.error("--chunks and --chunk-blocks must be >= 1")
+    if args.copies < 1 or (args.copies > 1 and args.phase != "store"):
+        ap.error("--copies N (N >= 1) is for --phase store")
     if args.connector_edits is None:
         args.connector_edits = args.phase != "both"
     if args.phase != "both":
