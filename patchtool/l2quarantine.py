@@ -1,17 +1,15 @@
-"""``patchtool l2 scan DIR --quarantine DEST``: move the objects a scan
-flagged out of the tier, crash-safely.
+"""``patchtool l2 scan DIR --quarantine DEST``: move the objects a scan's plan
+selects out of the tier, crash-safely.
 
 Moves are ``rename`` (atomic per object: after each move the object is in
-exactly one place) under a journal in DEST; a killed run is finished by
-re-running the same command (see :func:`quarantine`).  Nothing is ever
-deleted or overwritten.  The scan itself is ``patchtool.l2scan``.
+exactly one place) under the journal in DEST (``patchtool.l2journal``); a
+killed run is finished by re-running the same command.  Nothing is ever
+deleted or overwritten.  The undo is ``patchtool.l2restore``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,15 +17,14 @@ from pathlib import Path
 from . import fsio
 from .errors import Refusal, WriteRefusal
 from .exitcodes import ExitCode
+from .l2journal import BATCH, LISTED, QUARANTINE, RESTORE, Journal, counted, kind, now, \
+    unfinished
 from .l2names import OBJECT_RE
-from .l2scan import CATEGORIES, Plan, TierReader, dir_entries
+from .l2reader import TierReader
+from .l2rules import Expectations, Plan
+from .l2tally import dir_entries
+from .transaction import Lock
 
-JOURNAL = "quarantine.jsonl"
-REFUSED_LISTED = 100
-# Names journaled per fsync: one fsync per object would make a million moves
-# take hours on a disk; the journal is a record of intent, the filesystem
-# (where each name is) is the truth, so a batch loses nothing on a crash.
-BATCH = 512
 MAX_PASSES = 10
 
 
@@ -41,22 +38,9 @@ class QuarantineResult:
     moved: int
     moved_bytes: int
     moved_by_category: dict[str, int]
-    refused: int  # flagged, but DEST already holds that name: left in DIR
+    refused: int  # selected, but DEST already holds that name: left in DIR
     refused_names: list[str]
     passes: int
-
-
-
-
-def parse_only(value: str | None) -> list[str]:
-    if value is None:
-        return list(CATEGORIES)
-    chosen = [c.strip() for c in value.split(",") if c.strip()]
-    bad = [c for c in chosen if c not in CATEGORIES]
-    if bad or not chosen:
-        raise Refusal("--only", f"{value!r}: choose from {','.join(CATEGORIES)}",
-                      ExitCode.USAGE)
-    return [c for c in CATEGORIES if c in chosen]
 
 
 def check_dest(src: Path, dest: Path) -> bool:
@@ -80,148 +64,125 @@ def check_dest(src: Path, dest: Path) -> bool:
         raise fsio.refusal_for(probe, exc, "stat it") from None
     if not os.path.isdir(probe):
         raise Refusal(probe, "is not a directory")
-    st_src = os.stat(src)
-    if st_dest.st_dev != st_src.st_dev:
-        raise Refusal(dest, f"is on another filesystem than {src} (st_dev {st_dest.st_dev} != "
-                      f"{st_src.st_dev}): a move must be a rename, which is atomic only within "
-                      "one filesystem; choose a DEST on DIR's filesystem")
+    same_filesystem(src, probe, dest)
     return create
 
 
-def _read_journal(path: Path) -> list[dict]:
-    """Every complete record; a torn last line (a kill mid-append) is ignored."""
-    data = fsio.read_file(path)
-    if data is None:
-        return []
-    out = []
-    for line in data.split(b"\n"):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+def same_filesystem(src: Path, probe: Path, named: Path) -> None:
+    """Refuse unless the directories ``src`` and ``probe`` are on one
+    filesystem: a move must be a rename (or a link), atomic only within one.
+    The refusal names ``named`` (DEST, or the DIR a restore goes back to)."""
+    a, b = _dev(src), _dev(probe)
+    if a != b:
+        raise Refusal(named, f"is on another filesystem than {src} (st_dev {b} != {a}): a move "
+                      "must be a rename, atomic only within one filesystem")
 
 
-def _unfinished(records: list[dict]) -> dict | None:
-    ended = {r.get("run") for r in records if r.get("event") == "end"}
-    begun = [r for r in records if r.get("event") == "begin" and r.get("run") not in ended]
-    return begun[-1] if begun else None
-
-
-class _Journal:
-    """Append-only JSON lines in DEST, each append fsynced and counted by
-    the fault hook (fsio), like every other write of the tool."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def append(self, records: list[dict]) -> None:
-        data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode()
-
-        def write() -> None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-            try:
-                # A torn line from a killed append must not swallow this one.
-                end = os.fstat(fd).st_size
-                if end and os.pread(fd, 1, end - 1) != b"\n":
-                    os.write(fd, b"\n")
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-        _write(self.path, write)
-
-
-def _write(path: Path, op) -> None:
+def _dev(path: Path) -> int:
     try:
-        fsio._counted(path, op)  # the tool's one fault-hook counter
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise Refusal(path, "no such directory") from None
     except OSError as exc:
-        raise WriteRefusal(exc.filename or path, f"cannot write: {fsio.describe(exc)}; every "
-                           "object is in exactly one place, re-run to finish") from None
+        raise fsio.refusal_for(path, exc, "stat it") from None
+    if not os.path.isdir(path):
+        raise Refusal(path, "is not a directory")
+    return st.st_dev
 
 
-def _plan_records(plan: Plan, only: list[str]) -> list[list]:
-    return [[p, s, c, k] for p, by in plan.items() for s, (c, k) in by.items() if c in only]
+def resume_key(src_real: str, only: list[str], reader: TierReader,
+               expect: Expectations) -> dict:
+    """What a run is, for its ``begin``: a re-run resumes only the same."""
+    return {"dir": src_real, "only": only, "target": reader.identity, "expect": expect}
+
+
+def _differs(rec: dict, key: dict, reader: TierReader) -> list[str]:
+    """The parts of the current command that differ from an unfinished run's."""
+    what = [label for label, f in (("DIR", "dir"), ("--only", "only")) if rec.get(f) != key[f]]
+    if "target" in rec:
+        if rec["target"] != key["target"]:
+            what.append("reader")
+        if rec.get("expect", {}) != key["expect"]:
+            what.append("--expect-size")
+    elif rec.get("reader") != reader.detail:  # a journal of an earlier patchtool
+        what.append("reader")
+    return what
+
+
+def _open_run(journal: Journal, key: dict, reader: TierReader, create: bool) -> dict | None:
+    """The unfinished run this command finishes, if any; refuses another's."""
+    open_run = unfinished(journal.read()) if not create else None
+    if open_run is None:
+        return None
+    if kind(open_run) == RESTORE:
+        raise Refusal(journal.path, "holds an unfinished restore: run `patchtool l2 restore "
+                      "DEST` to finish it first")
+    what = _differs(open_run, key, reader)
+    if what:
+        raise Refusal(journal.path, f"holds an unfinished quarantine with another "
+                      f"{'/'.join(what)}: re-run that command to finish it first")
+    return open_run
 
 
 def quarantine(src: Path, dest: Path, plan: Plan, only: list[str], reader: TierReader,
-               create: bool) -> QuarantineResult:
-    """Move every object the plan selects from ``src`` to ``dest``.
+               expect: Expectations, create: bool) -> tuple[QuarantineResult, Plan]:
+    """Move every object ``plan`` selects (in the ``only`` categories) from
+    ``src`` to ``dest``; returns the result and the plan that ran (the
+    journaled one, when this finishes an interrupted run).
 
     Protocol (each step is one counted write; a kill between any two loses
     nothing):
 
-    1. ``begin`` (the plan: set prefix, size, category) is appended to
-       ``DEST/quarantine.jsonl`` and fsynced; the plan is kept because a
-       re-run cannot recompute it once evidence (e.g. a namespaced set) moved;
+    1. ``begin`` (the plan: set prefix, size, category, k; and what the run
+       is: DIR, --only, the reader's identity, --expect-size) is appended and
+       fsynced; the plan is kept because a re-run cannot recompute it once
+       evidence (e.g. a namespaced set) moved;
     2. per batch of up to :data:`BATCH` objects, their names are appended
-       (``move``) and fsynced, then each is renamed into DEST: an object is
-       in exactly one place after every rename;
+       (``move``) and fsynced, then each is renamed into DEST;
     3. passes repeat until one moves nothing (a directory changed while it is
        read may hide entries), at most :data:`MAX_PASSES`; both directories
        are fsynced; ``end``.
 
-    A re-run of the same command finds the unfinished ``begin`` and finishes
-    its plan; objects already in DEST are no longer in DIR, so nothing moves
-    twice.  A name DEST already holds is never overwritten: that object stays
-    in DIR and is reported as refused."""
-    from .transaction import Lock
-
-    journal = _Journal(dest / JOURNAL)
-    records = _read_journal(journal.path) if not create else []
-    open_run = _unfinished(records)
+    A name DEST already holds is never overwritten: that object stays in DIR
+    and is reported as refused."""
+    journal = Journal(dest)
     src_real = os.path.realpath(src)
+    key = resume_key(src_real, only, reader, expect)
+    open_run = _open_run(journal, key, reader, create)
     if open_run is not None:
-        if (open_run.get("dir"), open_run.get("only"), open_run.get("reader")) != \
-                (src_real, only, reader.detail):
-            raise Refusal(journal.path, f"holds an unfinished quarantine of "
-                          f"{open_run.get('dir')} (--only {','.join(open_run.get('only', []))}; "
-                          f"reader: {open_run.get('reader')}): re-run that command to finish "
-                          "it first")
-        todo = {(p, s): (c, k) for p, s, c, k in open_run["plan"]}
-        run, resumed = str(open_run["run"]), True
+        todo, run = Plan.from_records(open_run["plan"]), str(open_run["run"])
     else:
-        todo = {(p, s): (c, k) for p, s, c, k in _plan_records(plan, only)}
-        run, resumed = uuid.uuid4().hex[:12], False
-    res = QuarantineResult(str(dest), str(journal.path), only, None, resumed, 0, 0,
-                           {c: 0 for c in only}, 0, [], 0)
-    if not todo:
-        return res  # nothing selected: nothing written, not even DEST
+        todo, run = Plan.from_records(plan.records(only)), uuid.uuid4().hex[:12]
+    res = QuarantineResult(str(dest), str(journal.path), only, None, open_run is not None, 0,
+                           0, {c: 0 for c in only}, 0, [], 0)
+    if not todo.sets:
+        return res, todo  # nothing selected: nothing written, not even DEST
     res.run = run
     if create:
-        _write(dest, lambda: os.mkdir(dest))
-    by_prefix: dict[str, dict] = {}
-    for (p, s), ck in todo.items():
-        by_prefix.setdefault(p, {})[s] = ck
+        counted(dest, lambda: os.mkdir(dest))
     with Lock(dest):
-        if not resumed:
-            journal.append([{"event": "begin", "run": run, "dir": src_real, "only": only,
-                             "reader": reader.detail, "time": _now(),
-                             "plan": [[p, s, c, k] for (p, s), (c, k) in sorted(
-                                 todo.items(), key=lambda i: (i[0][0], i[0][1] or -1))]}])
+        if open_run is None:
+            journal.append([{"event": "begin", "kind": QUARANTINE, "run": run,
+                             "reader": reader.detail, "time": now(), **key,
+                             "plan": todo.records()}])
         refused: set[str] = set()
         # Another pass only after one that moved something; capped, so a
         # live writer still storing wrong-layout objects is not chased
-        # forever (what it adds later stays flagged for the next run).
+        # forever (what it adds later is counted by the final re-scan).
         while res.passes < MAX_PASSES:
             res.passes += 1
-            if not _one_pass(src, dest, journal, run, by_prefix, refused, res):
+            if not _one_pass(src, dest, journal, run, todo, refused, res):
                 break
         for d in (dest, src):
             fsio.fsync_dir(d)
         res.refused = len(refused)
-        res.refused_names = sorted(refused)[:REFUSED_LISTED]
-        journal.append([{"event": "end", "run": run, "time": _now(), "moved": res.moved,
-                         "refused": res.refused}])
-    return res
+        res.refused_names = sorted(refused)[:LISTED]
+        journal.append([{"event": "end", "kind": QUARANTINE, "run": run, "time": now(),
+                         "moved": res.moved, "refused": res.refused}])
+    return res, todo
 
 
-def _one_pass(src: Path, dest: Path, journal: _Journal, run: str, by_prefix: dict,
+def _one_pass(src: Path, dest: Path, journal: Journal, run: str, todo: Plan,
               refused: set[str], res: QuarantineResult) -> int:
     match = OBJECT_RE.fullmatch
     batch: list[tuple[str, int, str]] = []
@@ -232,17 +193,17 @@ def _one_pass(src: Path, dest: Path, journal: _Journal, run: str, by_prefix: dic
             m = match(name)
             if m is None or name in refused or not entry.is_file(follow_symlinks=False):
                 continue
-            by = by_prefix.get(name[:m.end(3)])
-            if by is None:
+            prefix = name[:m.end(3)]
+            if prefix not in todo.sets:
                 continue
             try:
                 size = entry.stat(follow_symlinks=False).st_size
             except FileNotFoundError:
                 continue
-            ck = by.get(None) or by.get(size)
-            if ck is None:
+            sel = todo.select(prefix, size)
+            if sel is None:
                 continue
-            batch.append((name, size, ck[0]))
+            batch.append((name, size, sel[0]))
             if len(batch) >= BATCH:
                 moved += _move_batch(src, dest, journal, run, batch, refused, res)
                 batch = []
@@ -251,7 +212,7 @@ def _one_pass(src: Path, dest: Path, journal: _Journal, run: str, by_prefix: dic
     return moved
 
 
-def _move_batch(src: Path, dest: Path, journal: _Journal, run: str,
+def _move_batch(src: Path, dest: Path, journal: Journal, run: str,
                 batch: list[tuple[str, int, str]], refused: set[str],
                 res: QuarantineResult) -> int:
     # DEST is locked, so nothing else adds names to it between this check
@@ -270,7 +231,7 @@ def _move_batch(src: Path, dest: Path, journal: _Journal, run: str,
     for name, size, cat in go:
         a, b = src / name, dest / name
         try:
-            _write(b, lambda: os.rename(a, b))
+            counted(b, lambda: os.rename(a, b))
         except WriteRefusal:
             if not os.path.lexists(a):
                 continue  # gone meanwhile (evicted by the server): nothing to move
@@ -278,11 +239,5 @@ def _move_batch(src: Path, dest: Path, journal: _Journal, run: str,
         moved += 1
         res.moved += 1
         res.moved_bytes += size
-        res.moved_by_category[cat] += 1
+        res.moved_by_category[cat] = res.moved_by_category.get(cat, 0) + 1
     return moved
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-

@@ -7,7 +7,7 @@ Real files in tmp dirs; the CLI runs as a real process."""
 
 from __future__ import annotations
 
-import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -18,42 +18,18 @@ from types import SimpleNamespace
 import pytest
 from _cli import CRASH_VAR, cli, one_line
 
-from patchtool import l2names, l2quarantine, l2scan
+from patchtool import l2journal, l2names, l2reader, l2tally
 from patchtool.errors import NotInstalled, Refusal
-from patchtool.exitcodes import ExitCode
 
 from . import synthwheel as sw
+from .l2tier import FLAGGED, JOURNAL, NS1, NS2, M, R, name, prefix, put, scan_json, tree
+from .l2tier import check_split
 
-M = "Qwen/Qwen3.5-0.8B"
-NS1 = "kvl1-3f2a9c0b1d4e"
-NS2 = "kvl2-00112233aabb"
-R = 0x01000100
-FLAGGED = int(ExitCode.L2_FLAGGED)
-
-
-def name(group: int = 0, h: int = 0, ns: str = "", salt: str = "", model: str = M,
-         rank: int = R) -> str:
-    return l2names.object_name(model, rank, group, f"{h:016x}", salt, ns)
-
-
-def put(d: Path, fname: str, size: int) -> Path:
-    """A real object: ``size`` bytes that differ per name (so a test can see
-    that bytes were kept, and which file is which)."""
-    seed = hashlib.sha256(fname.encode()).digest()
-    data = (seed * (size // len(seed) + 1))[:size]
-    p = d / fname
-    p.write_bytes(data)
-    return p
-
-
-def tree(d: Path) -> dict[str, str]:
-    """name -> sha256 of every plain file directly in ``d``."""
-    if not d.exists():
-        return {}
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.iterdir()
-            if p.is_file() and not p.is_symlink()}
-
-
+# The tier fixture's group 1 holds 700 B and 900 B objects: ambiguous until
+# the operator names the size the reader writes (the size rule's tests are
+# in test_l2_size_rule.py).
+EXPECT = ("--expect-size", f"{prefix(1)}=700")
+KVL1 = ("--assume", "kvl1", *EXPECT)
 
 
 @pytest.fixture
@@ -62,7 +38,8 @@ def tier(tmp_path) -> SimpleNamespace:
 
     * group 0 namespaced kvl1, 1024 B x3: read, clean;
     * group 0 plain, 512 B x2: unpatched (1/2 of kvl1's 1024);
-    * group 1 plain, salted, 700 B x3 and 900 B x1: 900 is a size mismatch;
+    * group 1 plain, salted, 700 B x3 and 900 B x1: ambiguous; with
+      :data:`EXPECT` (the reader writes 700 B) 900 is a size mismatch;
     * group 0 namespaced kvl2, 64 B x2: never read;
     * another model, plain, 300 B x2: clean;
     plus a .tmp file, the adapter's tmp subdir and a foreign file."""
@@ -84,12 +61,6 @@ def tier(tmp_path) -> SimpleNamespace:
     put(d, name(0, 60)[:-5] + ".tmp", 5)
     put(d, "README.txt", 3)
     return SimpleNamespace(dir=d, clean=clean, flagged=flagged, before=tree(d))
-
-
-def scan_json(d: Path, *extra: str, **kw) -> tuple[int, dict]:
-    r = cli("l2", "scan", str(d), "--json", *extra, **kw)
-    assert r.err == "" or r.rc not in (0, FLAGGED), r.err
-    return r.rc, r.json
 
 
 # ------------------------------------------------------------------ names
@@ -143,15 +114,19 @@ def test_foreign_names(fname):
 
 
 def test_scan_categories_for_a_kvl1_reader(tier):
-    rc, doc = scan_json(tier.dir, "--assume", "kvl1")
+    rc, doc = scan_json(tier.dir, *KVL1)
     assert rc == FLAGGED and doc["exit_code"] == FLAGGED and doc["command"] == "l2 scan"
     res = doc["result"]
     assert set(res) == {"dir", "reader", "sizes_read", "objects", "bytes", "tmp_files",
-                        "subdirs", "foreign",
-                        "foreign_names", "vanished", "sets", "flagged", "flagged_objects",
-                        "flagged_bytes", "quarantine", "remaining_flagged"}
+                        "subdirs", "foreign", "foreign_names", "vanished", "expect_size",
+                        "expect_size_unmatched", "sets", "flagged", "flagged_objects",
+                        "flagged_bytes", "ambiguous_sets", "ambiguous_objects", "quarantine",
+                        "final", "remaining_flagged"}
     assert res["reader"] == {"layout_format": 1, "source": "assume",
-                             "detail": "--assume kvl1: reads plain names and +kvl1-* names"}
+                             "detail": "--assume kvl1: reads plain names and +kvl1-* names",
+                             "identity": {"assume": "kvl1"}}
+    assert res["expect_size"] == {prefix(1): 700} and res["expect_size_unmatched"] == []
+    assert (res["ambiguous_sets"], res["ambiguous_objects"]) == (0, 0)
     assert (res["objects"], res["tmp_files"], res["subdirs"], res["foreign"]) == (13, 1, 1, 1)
     assert res["foreign_names"] == ["README.txt"] and res["quarantine"] is None
     assert res["bytes"] == 3 * 1024 + 2 * 512 + 3 * 700 + 900 + 2 * 64 + 2 * 300
@@ -162,9 +137,10 @@ def test_scan_categories_for_a_kvl1_reader(tier):
     rows = {(s["model"], s["namespace"], s["object_group"]): s for s in res["sets"]}
     assert set(rows) == {("meta-llama/Llama-3-8B", "", 0), (M, "", 0), (M, "", 1), (M, NS1, 0),
                          (M, NS2, 0)}
-    assert set(rows[M, "", 0]) == {"model", "namespace", "layout_format", "kv_rank",
-                                   "object_group", "readable", "objects", "bytes",
-                                   "dominant_size", "dominant_tied", "sizes", "flagged"}
+    assert set(rows[M, "", 0]) == {"set", "model", "namespace", "layout_format", "kv_rank",
+                                   "object_group", "readable", "objects", "bytes", "sizes",
+                                   "expected_size", "expected_from", "ambiguous", "flagged"}
+    assert rows[M, "", 0]["set"] == prefix(0) and rows[M, NS1, 0]["set"] == prefix(0, NS1)
     assert rows[M, NS1, 0]["flagged"] == [] and rows[M, NS1, 0]["readable"] is True
     assert rows[M, NS1, 0]["sizes"] == {"1024": 3} and rows[M, NS1, 0]["kv_rank"] == "0x01000100"
     [u] = rows[M, "", 0]["flagged"]
@@ -175,9 +151,20 @@ def test_scan_categories_for_a_kvl1_reader(tier):
     assert (s["category"], s["size"], s["objects"], s["reference_size"]) == \
         ("size-mismatch", 900, 1, 700)
     assert rows[M, "", 1]["sizes"] == {"700": 3, "900": 1}
+    assert (rows[M, "", 1]["expected_size"], rows[M, "", 1]["expected_from"]) == \
+        (700, "--expect-size")
     assert rows[M, NS2, 0]["readable"] is False and rows[M, NS2, 0]["layout_format"] == 2
     assert [f["category"] for f in rows[M, NS2, 0]["flagged"]] == ["never-read"]
     assert rows["meta-llama/Llama-3-8B", "", 0]["flagged"] == []
+    fin = res["final"]
+    assert (fin["rescanned"], fin["flagged_objects"], fin["ambiguous_sets"]) == (False, 5, 0)
+    assert fin["examples"]["unpatched"] == name(0, 10)
+    # without the operator's size, group 1 is ambiguous; the rest is unchanged
+    rc, doc = scan_json(tier.dir, "--assume", "kvl1")
+    res = doc["result"]
+    assert rc == FLAGGED and (res["flagged_objects"], res["ambiguous_sets"]) == (4, 1)
+    [amb] = [s for s in res["sets"] if s["ambiguous"]]
+    assert (amb["object_group"], amb["flagged"], amb["expected_size"]) == (1, [], None)
     assert tree(tier.dir) == tier.before  # a scan writes nothing
 
 
@@ -197,7 +184,8 @@ def test_names_only_judges_never_read_alone(tier):
     assert [(key(s), s["objects"], s["readable"]) for s in res["sets"]] == \
         [(key(s), s["objects"], s["readable"]) for s in fres["sets"]]
     for s in res["sets"]:
-        assert (s["bytes"], s["dominant_size"], s["sizes"]) == (None, None, {})
+        assert (s["bytes"], s["expected_size"], s["sizes"], s["ambiguous"]) == \
+            (None, None, {}, False)
         assert [f["category"] for f in s["flagged"]] == \
             (["never-read"] if not s["readable"] else [])
     [nr] = [f for s in res["sets"] for f in s["flagged"]]
@@ -241,9 +229,9 @@ def test_names_only_quarantine_moves_never_read_only(tmp_path, tier):
     qr = r.json["result"]["quarantine"]
     assert (qr["only"], qr["moved"], qr["moved_by_category"]) == \
         (["never-read"], 2, {"never-read": 2})
-    assert set(tree(q)) - {l2quarantine.JOURNAL} == \
+    assert set(tree(q)) - {JOURNAL} == \
         {n for n, c in tier.flagged.items() if c == "never-read"}
-    _check_split(tier.dir, q, tier.before)
+    check_split(tier.dir, q, tier.before)
     r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--names-only")
     assert r.rc == 0 and "nothing flagged by name" in r.out
 
@@ -251,7 +239,7 @@ def test_names_only_quarantine_moves_never_read_only(tmp_path, tier):
 def test_scan_for_a_pristine_reader(tier):
     """Pristine: every namespaced set is never read, and the 1/k plain
     objects are its own (correct) objects, not flagged."""
-    rc, doc = scan_json(tier.dir, "--assume", "pristine")
+    rc, doc = scan_json(tier.dir, "--assume", "pristine", *EXPECT)
     res = doc["result"]
     assert rc == FLAGGED and res["reader"]["layout_format"] is None
     assert res["flagged"] == {"never-read": {"objects": 5, "bytes": 3 * 1024 + 128},
@@ -293,49 +281,20 @@ def test_unpatched_needs_an_integer_ratio_and_the_same_kv_rank(tmp_path):
     assert rc == 0, doc["result"]["sets"]
 
 
-def test_empty_object_is_a_size_mismatch(tmp_path):
-    d = tmp_path / "t"
-    d.mkdir()
-    put(d, name(0, 1, NS1), 1024)
-    for i in range(2):
-        put(d, name(0, 10 + i), 1024)
-    put(d, name(0, 20), 0)  # e.g. a file a crashed foreign copy left empty
-    rc, doc = scan_json(d, "--assume", "kvl1")
-    flags = [f for s in doc["result"]["sets"] for f in s["flagged"]]
-    assert rc == FLAGGED and [(f["category"], f["size"]) for f in flags] == \
-        [("size-mismatch", 0)]
-
-
-def test_dominant_size_tie_flags_the_larger(tmp_path):
-    d = tmp_path / "t"
-    d.mkdir()
-    put(d, name(0, 1), 100)
-    put(d, name(0, 2), 200)
-    rc, doc = scan_json(d, "--assume", "pristine")
-    [row] = doc["result"]["sets"]
-    assert rc == FLAGGED and row["dominant_size"] == 100 and row["dominant_tied"] is True
-    assert [(f["category"], f["size"]) for f in row["flagged"]] == [("size-mismatch", 200)]
-    put(d, name(0, 3), 200)  # now 200 dominates: the 100 B one is the odd one out
-    rc, doc = scan_json(d, "--assume", "pristine")
-    [row] = doc["result"]["sets"]
-    assert row["dominant_size"] == 200 and row["dominant_tied"] is False
-    assert [(f["size"], f["objects"]) for f in row["flagged"]] == [(100, 1)]
-
-
 def test_skips_and_foreign_are_never_objects(tmp_path):
     d = tmp_path / "t"
     d.mkdir()
     (d / "tmp").mkdir()
-    (d / name(0, 9)).mkdir()  # a directory named like an object: a subdir, skipped
+    (d / name(0, 9)).mkdir()  # a directory named like an object: foreign
     put(d, "x.tmp", 1)
     put(d, name(0, 1)[:-5] + ".tmp", 1)
     os.symlink("/etc/hostname", d / name(0, 2))  # a link named like an object: foreign
     for i in range(150):
         put(d, f"foreign-{i:03d}", 1)
     res = scan_json(d, "--assume", "pristine")[1]["result"]
-    assert (res["objects"], res["tmp_files"], res["subdirs"], res["foreign"]) == (0, 2, 2, 151)
-    every = sorted([name(0, 2)] + [f"foreign-{i:03d}" for i in range(150)])
-    assert res["foreign_names"] == every[:l2scan.FOREIGN_LISTED]  # the smallest, sorted
+    assert (res["objects"], res["tmp_files"], res["subdirs"], res["foreign"]) == (0, 2, 1, 152)
+    every = sorted([name(0, 2), name(0, 9)] + [f"foreign-{i:03d}" for i in range(150)])
+    assert res["foreign_names"] == every[:l2tally.FOREIGN_LISTED]  # the smallest, sorted
     assert res["sets"] == []
 
 
@@ -346,27 +305,27 @@ def _status(state, **kw):
     from patchtool.classify import State
 
     base = dict(state=State(state), lmcache_version="9.9.9", site="/s", dist_info="/s/d",
-                python="/py", site_dirs=["/s"], patch_set="synthset", revision=2)
+                python="/py", site_dirs=["/s"], patch_set="synthset", revision=2, files=[])
     base.update(kw)
     return SimpleNamespace(**base)
 
 
 def test_reader_decision_per_state():
-    r = l2scan.reader_for(_status("patched"), 1)
+    r = l2reader.reader_for(_status("patched"), 1)
     assert r.layout_format == 1 and r.source == "install" and "+kvl1-*" in r.detail
-    assert l2scan.reader_for(_status("patched"), None).layout_format is None
+    assert l2reader.reader_for(_status("patched"), None).layout_format is None
     for st in ("pristine", "unsupported-version", "fixed-upstream"):
-        assert l2scan.reader_for(_status(st), 1).layout_format is None
+        assert l2reader.reader_for(_status(st), 1).layout_format is None
     for st in ("patched-older-revision", "partially-patched", "drifted"):
         with pytest.raises(Refusal) as e:
-            l2scan.reader_for(_status(st), 1)
+            l2reader.reader_for(_status(st), 1)
         assert e.value.file == "/s/d" and "--assume" in e.value.reason
     with pytest.raises(NotInstalled):
-        l2scan.reader_for(_status("not-installed"), 1)
+        l2reader.reader_for(_status("not-installed"), 1)
     k = l2names.SetKey(M, NS1, 1, R, 0)
-    assert l2scan.parse_assume("kvl1").reads(k) and not l2scan.parse_assume("kvl2").reads(k)
-    assert not l2scan.parse_assume("pristine").reads(k)
-    assert l2scan.parse_assume("pristine").reads(l2names.SetKey(M, "", None, R, 0))
+    assert l2reader.parse_assume("kvl1").reads(k) and not l2reader.parse_assume("kvl2").reads(k)
+    assert not l2reader.parse_assume("pristine").reads(k)
+    assert l2reader.parse_assume("pristine").reads(l2names.SetKey(M, "", None, R, 0))
 
 
 @pytest.fixture(scope="module")
@@ -476,17 +435,9 @@ def test_dest_on_another_filesystem_is_refused(tmp_path, tier):
 # ------------------------------------------------------------------ quarantine
 
 
-def _check_split(src: Path, dest: Path, before: dict[str, str]) -> None:
-    """Every object is in exactly one of src/dest, with its bytes."""
-    a, b = tree(src), tree(dest)
-    b.pop(l2quarantine.JOURNAL, None)
-    assert not set(a) & set(b), sorted(set(a) & set(b))[:3]
-    assert {**a, **b} == before
-
-
 def test_quarantine_moves_exactly_the_flagged(tmp_path, tier):
     q = tmp_path / "q"
-    r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--quarantine", str(q), "--json")
+    r = cli("l2", "scan", str(tier.dir), *KVL1, "--quarantine", str(q), "--json")
     assert r.rc == 0, r.err
     res = r.json["result"]
     qr = res["quarantine"]
@@ -494,34 +445,33 @@ def test_quarantine_moves_exactly_the_flagged(tmp_path, tier):
     assert qr["moved_by_category"] == {"never-read": 2, "unpatched": 2, "size-mismatch": 1}
     assert qr["moved_bytes"] == 128 + 1024 + 900 and res["remaining_flagged"] == 0
     moved = tree(q)
-    moved.pop(l2quarantine.JOURNAL)
-    journal = (q / l2quarantine.JOURNAL).read_text().splitlines()
+    moved.pop(JOURNAL)
+    journal = (q / JOURNAL).read_text().splitlines()
     assert set(moved) == set(tier.flagged)  # names kept
-    _check_split(tier.dir, q, tier.before)
+    check_split(tier.dir, q, tier.before)
     assert {"tmp", "README.txt", name(0, 60)[:-5] + ".tmp"} <= set(os.listdir(tier.dir))
-    import json
-
     recs = [json.loads(x) for x in journal]
     assert [x["event"] for x in recs] == ["begin"] + ["move"] * 5 + ["end"]
     assert {x["name"]: x["category"] for x in recs if x["event"] == "move"} == tier.flagged
     # the same command again: nothing flagged, nothing written
-    j = (q / l2quarantine.JOURNAL).read_bytes()
-    r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--quarantine", str(q), "--json")
+    j = (q / JOURNAL).read_bytes()
+    r = cli("l2", "scan", str(tier.dir), *KVL1, "--quarantine", str(q), "--json")
     assert r.rc == 0 and r.json["result"]["quarantine"]["moved"] == 0
     assert r.json["result"]["quarantine"]["run"] is None
-    assert (q / l2quarantine.JOURNAL).read_bytes() == j
-    _check_split(tier.dir, q, tier.before)
+    assert (q / JOURNAL).read_bytes() == j
+    check_split(tier.dir, q, tier.before)
 
 
 def test_quarantine_only_and_human_output(tmp_path, tier):
     q = tmp_path / "q"
-    r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--quarantine", str(q),
+    r = cli("l2", "scan", str(tier.dir), *KVL1, "--quarantine", str(q),
             "--only", "size-mismatch,never-read")
     assert r.rc == FLAGGED, r.err  # the unpatched objects are still in DIR
     assert "moved 3 object(s)" in r.out and "exit code 20: 2 flagged" in r.out
-    assert set(tree(q)) - {l2quarantine.JOURNAL} == {n for n, c in tier.flagged.items()
+    assert "left in DIR : 2 flagged object(s) after a re-scan (unpatched 2)" in r.out
+    assert set(tree(q)) - {JOURNAL} == {n for n, c in tier.flagged.items()
                                                if c != "unpatched"}
-    _check_split(tier.dir, q, tier.before)
+    check_split(tier.dir, q, tier.before)
 
 
 def test_nothing_selected_writes_nothing(tmp_path, tier):
@@ -529,7 +479,7 @@ def test_nothing_selected_writes_nothing(tmp_path, tier):
     for p in tier.dir.iterdir():
         if p.name in tier.flagged and tier.flagged[p.name] == "size-mismatch":
             p.unlink()
-    r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--quarantine", str(q),
+    r = cli("l2", "scan", str(tier.dir), *KVL1, "--quarantine", str(q),
             "--only", "size-mismatch")
     assert r.rc == FLAGGED and not q.exists()
 
@@ -539,7 +489,7 @@ def test_quarantine_never_overwrites(tmp_path, tier):
     q.mkdir()
     clash = next(n for n, c in tier.flagged.items() if c == "unpatched")
     (q / clash).write_bytes(b"an older quarantined object")
-    r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--quarantine", str(q), "--json")
+    r = cli("l2", "scan", str(tier.dir), *KVL1, "--quarantine", str(q), "--json")
     assert r.rc == FLAGGED, r.err
     qr = r.json["result"]["quarantine"]
     assert (qr["moved"], qr["refused"], qr["refused_names"]) == (4, 1, [clash])
@@ -552,7 +502,7 @@ def _many(tmp_path: Path) -> SimpleNamespace:
     """Enough flagged objects for three journal batches, plus clean ones."""
     d = tmp_path / "big"
     d.mkdir()
-    n = 2 * l2quarantine.BATCH + 6
+    n = 2 * l2journal.BATCH + 6
     for i in range(n):
         put(d, name(0, i, NS2), 16 + i % 3)  # never read by kvl1
     for i in range(5):
@@ -577,7 +527,7 @@ def test_kill_half_way_then_rerun_finishes(tmp_path, at):
     args = ("l2", "scan", str(t.dir), "--assume", "kvl1", "--quarantine", str(q), "--json")
     r = cli(*args, env={CRASH_VAR: f"crash:{at}"}, unset=())
     assert r.rc == 86, (r.rc, r.err)
-    _check_split(t.dir, q, t.before)
+    check_split(t.dir, q, t.before)
     r = cli(*args)
     assert r.rc == 0, r.err
     qr = r.json["result"]["quarantine"]
@@ -585,10 +535,8 @@ def test_kill_half_way_then_rerun_finishes(tmp_path, at):
     left = tree(t.dir)
     assert len(left) == 5 and all("+kvl1-" in n for n in left)
     assert len(tree(q)) - 1 == t.flagged
-    _check_split(t.dir, q, t.before)
-    import json
-
-    recs = [json.loads(x) for x in (q / l2quarantine.JOURNAL).read_text().splitlines()]
+    check_split(t.dir, q, t.before)
+    recs = [json.loads(x) for x in (q / JOURNAL).read_text().splitlines()]
     assert [x["event"] for x in recs].count("begin") == 1 and recs[-1]["event"] == "end"
     assert sum(x["event"] == "move" for x in recs) >= t.flagged
     r = cli(*args)
@@ -620,7 +568,7 @@ def test_resume_keeps_the_journaled_plan(tmp_path):
     assert r.rc == 0, r.err
     assert r.json["result"]["quarantine"]["moved_by_category"]["unpatched"] == 5
     assert set(tree(d)) == {name(1, 20)}
-    _check_split(d, q, before)
+    check_split(d, q, before)
 
 
 def test_unfinished_run_of_another_command_is_refused(tmp_path, tier):
@@ -629,26 +577,28 @@ def test_unfinished_run_of_another_command_is_refused(tmp_path, tier):
     r = cli("l2", "scan", str(t.dir), "--assume", "kvl1", "--quarantine", str(q),
             env={CRASH_VAR: "crash:5"}, unset=())
     assert r.rc == 86
-    j = (q / l2quarantine.JOURNAL).read_bytes()
-    r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--quarantine", str(q))
-    one_line(r, 3, q / l2quarantine.JOURNAL, "unfinished quarantine", str(t.dir))
+    j = (q / JOURNAL).read_bytes()
+    r = cli("l2", "scan", str(tier.dir), *KVL1, "--quarantine", str(q))
+    one_line(r, 3, q / JOURNAL, "unfinished quarantine with another DIR/--expect-size")
     r = cli("l2", "scan", str(t.dir), "--assume", "kvl1", "--quarantine", str(q), "--only",
             "never-read")
-    one_line(r, 3, q / l2quarantine.JOURNAL, "unfinished quarantine")
+    one_line(r, 3, q / JOURNAL, "unfinished quarantine with another --only")
     r = cli("l2", "scan", str(t.dir), "--assume", "pristine", "--quarantine", str(q))
-    one_line(r, 3, q / l2quarantine.JOURNAL, "unfinished quarantine", "reader: --assume kvl1")
-    assert (q / l2quarantine.JOURNAL).read_bytes() == j and tree(tier.dir) == tier.before
+    one_line(r, 3, q / JOURNAL, "unfinished quarantine with another reader")
+    r = cli("l2", "scan", str(t.dir), *KVL1, "--quarantine", str(q))
+    one_line(r, 3, q / JOURNAL, "unfinished quarantine with another --expect-size")
+    assert (q / JOURNAL).read_bytes() == j and tree(tier.dir) == tier.before
 
 
 def test_torn_journal_line_is_ignored(tmp_path, tier):
     q = tmp_path / "q"
     q.mkdir()
-    (q / l2quarantine.JOURNAL).write_text('{"event": "begin", "run": "x", "dir": "/else')
-    r = cli("l2", "scan", str(tier.dir), "--assume", "kvl1", "--quarantine", str(q), "--json")
+    (q / JOURNAL).write_text('{"event": "begin", "run": "x", "dir": "/else')
+    r = cli("l2", "scan", str(tier.dir), *KVL1, "--quarantine", str(q), "--json")
     assert r.rc == 0, r.err
-    lines = (q / l2quarantine.JOURNAL).read_text().splitlines()
-    assert lines[0].endswith("/else") and lines[1].startswith('{"dir"')
-    _check_split(tier.dir, q, tier.before)
+    lines = (q / JOURNAL).read_text().splitlines()
+    assert lines[0].endswith("/else") and json.loads(lines[1])["event"] == "begin"
+    check_split(tier.dir, q, tier.before)
 
 
 def test_never_imports_torch_vllm_or_lmcache(tier):
@@ -665,7 +615,7 @@ def test_never_imports_torch_vllm_or_lmcache(tier):
             "sys.meta_path.insert(0, Guard())\n"
             "from patchtool.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
-            f"    rc = main(['l2', 'scan', {str(tier.dir)!r}, '--assume', 'kvl1', '--json',"
+            f"    rc = main(['l2', 'scan', {str(tier.dir)!r}, *{KVL1!r}, '--json',"
             f" '--quarantine', {str(tier.dir.parent / 'q')!r}])\n"
             f"    main(['l2', 'scan', {str(tier.dir)!r}, '--assume', 'pristine'])\n"
             "print(rc, seen)\n")

@@ -1,0 +1,168 @@
+"""People's form of the ``patchtool l2`` commands (``--json`` is the
+dataclasses themselves, ``patchtool.output``).
+
+One line per set and one indented line per flag: a table wraps model names
+and namespaces into unreadable columns.  Every name from the tier goes
+through :func:`shown`: a model name may hold any character but ``@``, so a
+newline would break a line in two and an escape sequence would drive the
+terminal, and ``[...]`` would be taken for rich markup.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+
+from .l2command import ScanReport
+from .l2restore import RestoreResult
+from .l2rules import EXPECT_OPTION, NEVER_READ, SIZE_MISMATCH, UNPATCHED, Flag, ObjectSet
+
+_SHOWN = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def shown(text: str) -> str:
+    """``text`` as one printable, markup-free line: control characters as
+    ``\\n``/``\\xNN`` escapes, undecodable bytes (surrogate-escaped) as
+    ``\\xNN``."""
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else _escape_char(ch) for ch in text)
+    return escape(text)
+
+
+def _escape_char(ch: str) -> str:
+    o = ord(ch)
+    if ch in _SHOWN:
+        return _SHOWN[ch]
+    if 0xDC80 <= o <= 0xDCFF:  # os.fsdecode's stand-in for a byte that is not UTF-8
+        return f"\\x{o - 0xDC00:02x}"
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}"
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+def render_scan(res: ScanReport, code: int) -> None:
+    con = _console()
+    con.print(f"tier        : {shown(res.dir)}")
+    con.print(f"reader      : {shown(res.reader.detail)}")
+    con.print(f"objects     : {res.objects} ({_size(res.bytes)}); skipped {res.tmp_files} tmp "
+              f"file(s), {res.subdirs} subdir(s); {res.foreign} foreign")
+    if not res.sizes_read:
+        con.print(f"sizes       : not read (--names-only): only {NEVER_READ} is judged; "
+                  f"{UNPATCHED}, {SIZE_MISMATCH} and ambiguity need a scan without "
+                  "--names-only")
+    for p in res.expect_size_unmatched:
+        con.print(f"[yellow]note[/]        : {EXPECT_OPTION} {shown(p)}={res.expect_size[p]} "
+                  "matched no set in DIR")
+    for s in res.sets:
+        con.print(_set_line(s, res.sizes_read))
+        for f in s.flagged:
+            con.print(f"    [red]{_flag(f)}[/], e.g. {shown(f.example)}")
+    for c, tot in res.flagged.items():
+        if tot.objects:
+            con.print(f"[red]{c:<13}[/]: {tot.objects} object(s), {_size(tot.bytes)}")
+    for s in res.sets:
+        if s.ambiguous:
+            con.print(_ambiguous_line(s))
+    if res.foreign:
+        more = f" (first {len(res.foreign_names)})" if res.foreign > len(res.foreign_names) else ""
+        con.print(f"foreign{more:<5}: " + ", ".join(shown(n) for n in res.foreign_names))
+    _quarantine_lines(con, res)
+    _verdict(con, res, code)
+
+
+def _set_line(s: ObjectSet, sizes_read: bool) -> str:
+    ns = shown(s.namespace) or "(plain)"
+    unread = "" if s.readable else " [red](never read)[/]"
+    sizes = ", ".join(f"{size} B x{n}" for size, n in s.sizes.items())
+    sizes = f"; sizes {sizes}" if sizes_read else ""
+    expected = f"; expected {s.expected_size} B ({s.expected_from})" if s.expected_size else ""
+    return (f"  {shown(s.model)}  {ns}{unread}  kv_rank {s.kv_rank}  group {s.object_group}: "
+            f"{s.objects} object(s), {_size(s.bytes)}{sizes}{expected}")
+
+
+def _ambiguous_line(s: ObjectSet) -> str:
+    """The one line an operator needs: which set, its sizes, and how to
+    resolve it."""
+    sizes = ", ".join(f"{size} B x{n}" for size, n in s.sizes.items())
+    arg = f"'{s.set}=SIZE'" if "'" not in s.set else f"{s.set}=SIZE"
+    return (f"[yellow]ambiguous[/]   : {shown(s.model)} {shown(s.namespace) or '(plain)'} "
+            f"kv_rank {s.kv_rank} group {s.object_group} holds {sizes}; the tier cannot tell "
+            f"which size this reader writes, so none is flagged or moved: name it with "
+            f"{EXPECT_OPTION} {shown(arg)}")
+
+
+def _quarantine_lines(con: Console, res: ScanReport) -> None:
+    q = res.quarantine
+    if q is None:
+        return
+    how = " (finished an interrupted run)" if q.resumed else ""
+    con.print(f"quarantine  : moved {q.moved} object(s), {_size(q.moved_bytes)}, to "
+              f"{shown(q.dest)}{how}; journal {shown(q.journal)}")
+    if q.refused:
+        con.print(f"[yellow]refused[/]     : {q.refused} object(s) left in DIR: DEST "
+                  f"already holds a file of that name "
+                  f"({', '.join(shown(n) for n in q.refused_names[:5])})")
+    fin = res.final
+    if fin is not None and fin.flagged_objects:
+        parts = ", ".join(f"{c} {t.objects}" for c, t in fin.flagged.items() if t.objects)
+        example = next(iter(sorted(fin.examples.values())), "")
+        con.print(f"[red]left in DIR[/] : {fin.flagged_objects} flagged object(s) after "
+                  f"a re-scan ({parts}), e.g. {shown(example)}")
+
+
+def _verdict(con: Console, res: ScanReport, code: int) -> None:
+    fin = res.final
+    if fin.flagged_objects:
+        con.print(f"exit code {int(code)}: {fin.flagged_objects} flagged object(s) in "
+                  f"{shown(res.dir)}")
+    elif fin.ambiguous_sets:
+        con.print(f"exit code {int(code)}: {fin.ambiguous_sets} ambiguous set(s) in "
+                  f"{shown(res.dir)}, nothing flagged")
+    elif res.sizes_read:
+        con.print("nothing flagged")
+    else:
+        con.print(f"nothing flagged by name ({UNPATCHED}, {SIZE_MISMATCH} and ambiguity not "
+                  "judged: sizes not read)")
+
+
+def _flag(f: Flag) -> str:
+    if f.size is None:
+        return f"{f.category}: {f.objects} object(s)"
+    n = f"{f.objects} object(s) of {f.size} B"
+    if f.category == UNPATCHED:
+        return f"{f.category}: {n} = 1/{f.k} of {shown(f.namespace or '')}'s {f.reference_size} B"
+    if f.category == SIZE_MISMATCH:
+        if f.reference_size is None:
+            return f"{f.category}: {n} (empty: no layout's size, a miss for every reader)"
+        return f"{f.category}: {n}, expected {f.reference_size} B"
+    return f"{f.category}: {n}"
+
+
+def render_restore(res: RestoreResult, code: int) -> None:
+    con = _console()
+    con.print(f"quarantine  : {shown(res.dest)}; journal {shown(res.journal)}")
+    how = " (finished an interrupted run)" if res.resumed else ""
+    into = ", ".join(shown(d) for d in res.dirs) or "-"
+    con.print(f"restored    : {res.restored} object(s), {_size(res.restored_bytes)}, into "
+              f"{into}{how}")
+    if res.kept:
+        con.print(f"[yellow]kept aside[/]  : {res.kept} object(s) left in DEST: DIR holds an "
+                  f"entry of that name (a newer object the server stored, kept): "
+                  f"{', '.join(shown(n) for n in res.kept_names[:5])}")
+    if res.untracked:
+        con.print(f"untracked   : {res.untracked} object(s) in DEST that no quarantine moved "
+                  "there: left alone")
+    if code:
+        con.print(f"exit code {int(code)}")
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "size not read"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
