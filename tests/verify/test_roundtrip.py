@@ -359,9 +359,9 @@ def test_identity_cells_round_trip_on_newer_releases(version):
     assert Path(doc["lmcache"]["root"]).resolve() == overlay.resolve()
     _no_errors(doc)
     for cell in doc["cells"]:
-        assert cell["ids"]["store"] == cell["ids"]["retrieve"] == {kind: [1, 2] for kind in cell["ids"]["store"]}
         assert cell["store_ok"] and cell["retrieve_ok"], cell["verdict"]
         assert cell["verdict"]["pass"], (cell["name"], cell["verdict"])
+        assert cell["ids"]["store"] == cell["ids"]["retrieve"] == {kind: [1, 2] for kind in cell["ids"]["store"]}
         fa = cell["groups"]["fa"]
         assert fa["fraction"] == 1.0 and fa["slots_restored"] == fa["slots_expected"] == 2
         assert fa["foreign_bytes"] == 0 and fa["misplaced_bytes"] == 0
