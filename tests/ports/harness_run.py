@@ -21,11 +21,16 @@ def series(version: str) -> list[Path]:
 
 
 def ports_harness(version: str, patched: bool, cells: tuple[str, ...], options: list[str],
-                  timeout: float = 1800, stderr: list[str] | None = None) -> dict:
+                  timeout: float = 1800, stderr: list[str] | None = None,
+                  patches: list[Path] | None = None) -> dict:
     """The harness's JSON report for ``cells``; asserts it ran the overlay.
-    ``stderr``, when given, receives the run's stderr (LMCache's log)."""
+    ``stderr``, when given, receives the run's stderr (LMCache's log).
+    ``patches``, when given, is the series to apply instead (e.g. an older
+    revision's parts); ``patched`` is then ignored."""
     venv = provision.runtime_env(version)
-    overlay = provision.overlay(version, series(version) if patched else None)
+    if patches is None:
+        patches = series(version) if patched else None
+    overlay = provision.overlay(version, patches or None)
     args = [str(venv / "bin" / "python"), "-m", "lmcache_patchtool_verify.ports_roundtrip",
             "--json", *options]
     for cell in cells:

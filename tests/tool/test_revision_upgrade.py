@@ -1,16 +1,19 @@
 """The real series' revision bumps (2: 05-layout-keys, on 0.5.4+
 06-state-chunk-ends, on 0.5.3-0.5.5 07-lookup-reserves-last-token, appended;
-3: 08-block-state-from-vllm, appended): an install patched with an older
+3: 08-block-state-from-vllm, appended; 4 on 0.5.5 and 0.5.6:
+09-padded-block-stride, appended): an install patched with an older
 revision of the shipped series is recognised as ``patched-older-revision``,
 `status` names the command that upgrades it, `apply` brings it to the shipped
 revision touching only the files the newer parts change, and `revert` gives
 back the wheel's bytes.  Each older revision is rebuilt from the shipped patch
-files it consists of (unchanged since), so its post-images are exactly the
-ones the shipped manifest keeps in ``previous_revisions``."""
+files the manifest lists for it in ``previous_revisions`` (unchanged since),
+and its post-images must be exactly the ones kept there.  The shipped
+revision is each version's own manifest's."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -32,24 +35,55 @@ ADDED_BY_07 = ["lmcache/integration/vllm/lmcache_mp_connector.py"]  # not on 0.5
 ADDED_BY_08 = {"0.5.3": ["lmcache/integration/vllm/lmcache_mp_connector.py"]}
 ADDED_BY_08_DEFAULT = ["lmcache/integration/vllm/lmcache_mp_connector.py",
                        "lmcache/integration/vllm/lmcache_mp_metadata.py"]
-SHIPPED_REVISION = 3
-# The parts each later revision added, by file-name prefix.
-PARTS_AFTER = {1: ("05-", "06-", "07-", "08-"), 2: ("08-",)}
+ADDED_BY_09 = {"0.5.5": ["lmcache/v1/platform/cpu/cache_context.py", "lmcache/v1/platform/cpu/shm.py",
+                         "lmcache/v1/platform/torch_ops.py"],
+               "0.5.6": ["lmcache/v1/platform/devices/cpu/cache_context.py",
+                         "lmcache/v1/platform/devices/cpu/shm.py",
+                         "lmcache/v1/platform/torch_ops/mp_mem_kernels.py"]}
+
+
+def shipped_manifest(version: str) -> dict:
+    return json.loads((REPO / "patches" / "hybrid-fa" / version / "manifest.json").read_text())
+
+
+def shipped_revision(version: str) -> int:
+    return shipped_manifest(version)["revision"]
+
+
+def added_files(version: str, revision: int) -> list[str]:
+    """The files the parts shipped after ``revision`` change (pinned per part)."""
+    (prev,) = [p for p in shipped_manifest(version)["previous_revisions"] if p["revision"] == revision]
+    newer = [p["file"] for p in shipped_manifest(version)["patches"] if p["file"] not in prev["patches"]]
+    files: set[str] = set()
+    for name in newer:
+        if name.startswith("05-"):
+            files |= set(ADDED_BY_05)
+        elif name.startswith("06-"):
+            files |= set(ADDED_BY_06)
+        elif name.startswith("07-"):
+            files |= set(ADDED_BY_07)
+        elif name.startswith("08-"):
+            files |= set(ADDED_BY_08.get(version, ADDED_BY_08_DEFAULT))
+        elif name.startswith("09-"):
+            files |= set(ADDED_BY_09[version])
+        else:
+            raise AssertionError(f"{version}: part {name} has no pinned file list here")
+    return sorted(files)
 
 
 def older_revision_root(tmp_path: Path, version: str, revision: int) -> Path:
     shipped = REPO / "patches" / "hybrid-fa" / version
     d = tmp_path / f"r{revision}" / "hybrid-fa" / version
     d.mkdir(parents=True)
+    manifest = shipped_manifest(version)
+    assert manifest["revision"] > revision
+    (prev,) = [p for p in manifest["previous_revisions"] if p["revision"] == revision]
     for p in sorted(shipped.glob("*.patch")):
-        if not p.name.startswith(PARTS_AFTER[revision]):
+        if p.name in prev["patches"]:
             shutil.copy2(p, d / p.name)
     r = cli("manifest", "build", str(d), "--wheel", str(provision.wheel(version)),
             "--revision", str(revision), "--json")
     assert r.rc == 0, r.err
-    manifest = json.loads((shipped / "manifest.json").read_text())
-    assert manifest["revision"] == SHIPPED_REVISION
-    (prev,) = [p for p in manifest["previous_revisions"] if p["revision"] == revision]
     built = json.loads((d / "manifest.json").read_text())
     assert {p: f["post"] for p, f in built["files"].items()} == prev["files"]
     assert {p["file"]: p["sha256"] for p in built["patches"]} == prev["patches"]
@@ -60,11 +94,11 @@ def revision1_root(tmp_path: Path, version: str) -> Path:
     return older_revision_root(tmp_path, version, 1)
 
 
-def upgrade_with_apply(py: str) -> dict:
+def upgrade_with_apply(py: str, version: str) -> dict:
     """An older-revision install as status, verify and apply see it: reported
     with the exact next command, verify exits 9, apply upgrades it."""
     st = cli("status", "--python", py, "--json").json["result"]
-    assert (st["state"], st["revision"]) == ("patched-older-revision", SHIPPED_REVISION), \
+    assert (st["state"], st["revision"]) == ("patched-older-revision", shipped_revision(version)), \
         st["detail"]
     assert st["next_command"] == f"patchtool apply --python {py}"
     assert cli("verify", "--python", py).rc == 9
@@ -82,11 +116,12 @@ def test_revision1_install_upgrades_with_apply(tmp_path, bare_envs, version):
     fresh = tree_hashes(site_of(bare_envs[version]), SKIP)
     assert cli("apply", "--python", py, patches=revision1_root(tmp_path, version)).rc == 0
 
-    res = upgrade_with_apply(py)  # the shipped patches
+    res = upgrade_with_apply(py, version)  # the shipped patches
     added = set(ADDED_BY_05) | (set(ADDED_BY_06) if version != "0.5.3" else set()) \
         | (set(ADDED_BY_07) if version != "0.5.6" else set()) \
         | set(ADDED_BY_08.get(version, ADDED_BY_08_DEFAULT))
-    assert sorted(res["changed_files"]) == sorted(added)
+    assert added <= set(res["changed_files"])
+    assert sorted(res["changed_files"]) == added_files(version, 1)
     assert any(n.startswith("disk-tier keys kvl1:") for n in res["notes"])
     st = cli("status", "--python", py, "--json").json["result"]
     assert (st["state"], st["disk_tier_keys"], st["next_command"]) == ("patched", "kvl1", None)
@@ -97,7 +132,8 @@ def test_revision1_install_upgrades_with_apply(tmp_path, bare_envs, version):
 
 @pytest.mark.parametrize("version", ["0.5.3", "0.5.6"])
 def test_revision2_install_upgrades_with_apply(tmp_path, bare_envs, version):
-    """2 -> 3: only the files part 08 changes are rewritten; revert is byte-exact."""
+    """2 -> shipped: only the files parts 08 (and 09) change are rewritten;
+    revert is byte-exact."""
     venv = copy_venv(bare_envs[version], tmp_path / "venv")
     py = str(venv / "bin" / "python")
     fresh = tree_hashes(site_of(bare_envs[version]), SKIP)
@@ -105,14 +141,40 @@ def test_revision2_install_upgrades_with_apply(tmp_path, bare_envs, version):
                patches=older_revision_root(tmp_path, version, 2)).rc == 0
     r2_site = tree_hashes(site_of(venv), SKIP)
 
-    res = upgrade_with_apply(py)
-    assert sorted(res["changed_files"]) == sorted(ADDED_BY_08.get(version, ADDED_BY_08_DEFAULT))
+    res = upgrade_with_apply(py, version)
+    assert sorted(res["changed_files"]) == added_files(version, 2)
+    assert set(ADDED_BY_08.get(version, ADDED_BY_08_DEFAULT)) <= set(res["changed_files"])
     r3_site = tree_hashes(site_of(venv), SKIP)
     changed = {p for p in set(r2_site) | set(r3_site) if r2_site.get(p) != r3_site.get(p)}
     # Only the 08 files' bytes and pip's RECORD (their new hashes) differ.
     assert {p for p in changed if not p.endswith("/RECORD")} == set(res["changed_files"])
     st = cli("status", "--python", py, "--json").json["result"]
     assert (st["state"], st["disk_tier_keys"], st["next_command"]) == ("patched", "kvl1", None)
+    assert cli("verify", "--python", py).rc == 0
+    assert cli("revert", "--python", py).rc == 0
+    assert tree_hashes(site_of(venv), SKIP) == fresh
+
+
+@pytest.mark.parametrize("version", ["0.5.6"] + (["0.5.5"] if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
+                                                  else []))
+def test_revision3_install_upgrades_with_apply(tmp_path, bare_envs, version):
+    """3 -> 4 (09-padded-block-stride): only the three files part 09 changes
+    (and pip's RECORD) are rewritten; revert is byte-exact."""
+    assert shipped_revision(version) == 4
+    venv = copy_venv(bare_envs[version], tmp_path / "venv")
+    py = str(venv / "bin" / "python")
+    fresh = tree_hashes(site_of(bare_envs[version]), SKIP)
+    assert cli("apply", "--python", py,
+               patches=older_revision_root(tmp_path, version, 3)).rc == 0
+    r3_site = tree_hashes(site_of(venv), SKIP)
+
+    res = upgrade_with_apply(py, version)
+    assert sorted(res["changed_files"]) == sorted(ADDED_BY_09[version]) == added_files(version, 3)
+    r4_site = tree_hashes(site_of(venv), SKIP)
+    changed = {p for p in set(r3_site) | set(r4_site) if r3_site.get(p) != r4_site.get(p)}
+    assert {p for p in changed if not p.endswith("/RECORD")} == set(res["changed_files"])
+    st = cli("status", "--python", py, "--json").json["result"]
+    assert (st["state"], st["revision"], st["next_command"]) == ("patched", 4, None)
     assert cli("verify", "--python", py).rc == 0
     assert cli("revert", "--python", py).rc == 0
     assert tree_hashes(site_of(venv), SKIP) == fresh

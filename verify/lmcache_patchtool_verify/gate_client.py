@@ -63,8 +63,19 @@ def block_rows(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
     contiguous in memory, so row ``L`` is exactly that logical block.  Use the
     registered tensors: ``KVCaches.raw`` of a GDN layer is a separate view that
     still points at the pre-registration memory.
+
+    A view with a padded block stride (vLLM 0.30+'s GDN state: dim 0 steps
+    over the padded page, the rest of a block is packed) has no flat view;
+    its rows are each block's packed bytes, still a view of the memory (what
+    the transfer moves; the padding after them is not part of any row).
     """
-    return tensor.reshape(-1).view(torch.uint8).view(num_blocks, -1)
+    if tensor.is_contiguous():
+        return tensor.reshape(-1).view(torch.uint8).view(num_blocks, -1)
+    rows = tensor.flatten(1)
+    if rows.data_ptr() != tensor.data_ptr() or rows.stride(1) != 1 or rows.shape[0] != num_blocks:
+        raise ValueError(f"registered tensor {tuple(tensor.shape)} / {tuple(tensor.stride())}: "
+                         "not a block-strided view with packed blocks")
+    return rows.view(torch.uint8)
 
 
 @dataclass
