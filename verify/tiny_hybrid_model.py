@@ -9,14 +9,26 @@ It ships a byte-level tokenizer that needs no training data (§6.3) and a small
 ChatML template.
 
 Random weights cannot recall keys, so the gate's criterion for such a model is
-"the greedy continuation after restore is token-identical to the cold one"
-(``config.json`` carries ``"lmcache_patchtool_tiny": true``, which the gate reads).
+"the greedy continuation and its logprobs after restore are identical to a warm
+reference" (``config.json`` carries ``"lmcache_patchtool_tiny": true``, which the
+gate reads).
+
+The checkpoint always holds an explicit, untied ``lm_head.weight``
+(``tie_word_embeddings: false``): vLLM's ``Qwen3NextForCausalLM`` never ties
+``lm_head`` (``qwen3_next.py``), so a checkpoint without one loads with an
+uninitialised head whose logits are all equal (every logprob -ln vocab, every
+greedy token 0) and an "identical to cold" check passes whatever the KV holds.
+``generate`` refuses to finish when the saved head is missing or equal to the
+embedding, and ``check_untied(dir)`` (stdlib only) is what the gate runs on a
+model directory before it starts anything.
 
 Kinds: ``qwen3_5`` (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``; SSM
-state float32 via ``mamba_ssm_dtype``) and ``qwen3_next``
+state float32 via ``mamba_ssm_dtype``), ``qwen3_next``
 (``Qwen3NextForCausalLM``, a tiny MoE; SSM state in the model dtype, so it uses
-32 value heads to reach the same 544 block).  vLLM's ``qwen3_5.py`` imports
-torchvision; ``qwen3_next.py`` does not.
+32 value heads to reach the same 544 block) and ``qwen3`` (``Qwen3ForCausalLM``,
+pure attention: ``--gdn-layers 0``).  vLLM's ``qwen3_5.py`` imports
+torchvision (a CUDA build on PyPI, absent from the CPU engine venv);
+``qwen3_next.py`` and ``qwen3.py`` do not.
 
 Only the generation needs torch + transformers + tokenizers (the target venv);
 the config and the geometry arithmetic are pure python::
@@ -45,11 +57,12 @@ CHAT_TEMPLATE = (
 
 
 def tiny_config(kind: str = "qwen3_5", *, layers: tuple[int, int] = (3, 1), vocab_size: int = 512,
-                eos_token_id: int = 256) -> dict[str, Any]:
+                eos_token_id: int = 256, linear_value_heads: int | None = None) -> dict[str, Any]:
     """HF config dict of the tiny model (pure python)."""
     n_gdn, n_fa = layers
-    if n_gdn < 1 or n_fa < 1:
-        raise ValueError("need at least one GDN and one attention layer")
+    if n_fa < 1 or (n_gdn < 1 and kind != "qwen3") or (n_gdn and kind == "qwen3"):
+        raise ValueError("qwen3 is pure attention (0 GDN layers); qwen3_5/qwen3_next need at least "
+                         "one GDN and one attention layer")
     # interleave like the real models: (gdn x r, fa) repeated
     per = max(1, n_gdn // n_fa)
     layer_types: list[str] = []
@@ -67,21 +80,26 @@ def tiny_config(kind: str = "qwen3_5", *, layers: tuple[int, int] = (3, 1), voca
         "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
         "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4, "max_position_embeddings": 65536, "rms_norm_eps": 1e-6,
-        "hidden_act": "silu", "tie_word_embeddings": True, "attention_bias": False,
+        # untied: vLLM's Qwen3-Next never ties lm_head, so a tied checkpoint has no head there
+        "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         "eos_token_id": eos_token_id, "bos_token_id": None, "pad_token_id": None,
         "torch_dtype": "bfloat16", MARKER: True,
     }
     if kind == "qwen3_5":
         return common | {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
-                         "linear_num_value_heads": 16, "mamba_ssm_dtype": "float32"}
+                         "linear_num_value_heads": linear_value_heads or 16, "mamba_ssm_dtype": "float32"}
     if kind == "qwen3_next":
+        # 32 value heads: block 544 on a GPU (bf16 state); 16: 640 on vLLM for CPU (fp32 state)
         return common | {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
-                         "linear_num_value_heads": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                         "linear_num_value_heads": linear_value_heads or 32, "num_experts": 4, "num_experts_per_tok": 2,
                          "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
                          "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
                          "full_attention_interval": per + 1}
-    raise ValueError(f"unknown kind {kind!r} (qwen3_5 | qwen3_next)")
+    if kind == "qwen3":
+        return common | {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+                         "layer_types": ["full_attention"] * n_fa, "rope_theta": 10000000.0}
+    raise ValueError(f"unknown kind {kind!r} (qwen3_5 | qwen3_next | qwen3)")
 
 
 def expected_geometry(cfg: dict[str, Any], *, tp: int = 1, kv_cache_dtype: str = "auto", model_dtype: str = "bfloat16",
@@ -139,37 +157,110 @@ def _byte_of(ch: str) -> int:
     return table[ch]
 
 
-def generate(out: Path, kind: str = "qwen3_5", seed: int = 0, layers: tuple[int, int] = (3, 1)) -> dict[str, Any]:
+def _safetensors_names(model_dir: Path) -> dict[str, dict[str, Any]]:
+    """tensor name -> header entry (dtype, shape, data_offsets, file) of every
+    ``*.safetensors`` file in ``model_dir`` (stdlib: the 8-byte length + JSON header)."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                out[name] = dict(entry, file=f.name, header_len=n)
+    return out
+
+
+def _tensor_bytes(model_dir: Path, entry: dict[str, Any]) -> bytes:
+    start, end = entry["data_offsets"]
+    with open(model_dir / entry["file"], "rb") as fh:
+        fh.seek(8 + entry["header_len"] + start)
+        return fh.read(end - start)
+
+
+def check_untied(model_dir: str | Path) -> str | None:
+    """None when the checkpoint's logits can depend on its weights as vLLM loads them, else one line
+    saying why not: for an architecture vLLM never ties (``Qwen3NextForCausalLM``), the
+    checkpoint must hold an ``lm_head.weight`` that differs from the embedding.  Stdlib only
+    (the gate runs it before starting anything)."""
+    d = Path(model_dir)
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"{d / 'config.json'}: unreadable ({exc})"
+    try:
+        names = _safetensors_names(d)
+    except (OSError, ValueError) as exc:
+        return f"{d}: safetensors header unreadable ({exc})"
+    if not names:
+        return None  # not a safetensors checkpoint: nothing to read here
+    arch = (cfg.get("architectures") or [""])[0]
+    never_ties = arch in NEVER_TIED
+    head = names.get("lm_head.weight")
+    if head is None:
+        if never_ties:
+            return (f"{d}: {arch} in vLLM never ties lm_head and the checkpoint has no lm_head.weight: "
+                    "every logit would be equal (regenerate it with verify/tiny_hybrid_model.py)")
+        if not cfg.get("tie_word_embeddings", False):
+            return f"{d}: no lm_head.weight and tie_word_embeddings is false"
+        return None
+    emb = next((e for n, e in names.items() if n.endswith("embed_tokens.weight")), None)
+    if emb is not None and emb["shape"] == head["shape"] and _tensor_bytes(d, emb) == _tensor_bytes(d, head):
+        return f"{d}: lm_head.weight is a copy of the embedding (a tied head saved twice)"
+    return None
+
+
+# Architectures whose vLLM implementation never ties lm_head to the embedding
+# (vllm/model_executor/models/qwen3_next.py builds its own ParallelLMHead).
+NEVER_TIED = ("Qwen3NextForCausalLM",)
+
+
+def generate(out: Path, kind: str = "qwen3_5", seed: int = 0, layers: tuple[int, int] = (3, 1),
+             linear_value_heads: int | None = None) -> dict[str, Any]:
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
 
     out.mkdir(parents=True, exist_ok=True)
     byte_level_tokenizer(out)
     eos = 256 + SPECIALS.index("<|im_end|>")
-    cfg_dict = tiny_config(kind, layers=layers, eos_token_id=eos)
+    cfg_dict = tiny_config(kind, layers=layers, eos_token_id=eos, linear_value_heads=linear_value_heads)
     hf_kw = {k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type", "torch_dtype", MARKER)}
     torch.manual_seed(seed)
     if kind == "qwen3_5":
         cfg = transformers.Qwen3_5TextConfig(**hf_kw)
         model_cls = transformers.Qwen3_5ForCausalLM
-    else:
+    elif kind == "qwen3_next":
         hf_kw.pop("mamba_ssm_dtype", None)
         cfg = transformers.Qwen3NextConfig(**hf_kw)
         model_cls = transformers.Qwen3NextForCausalLM
+    else:
+        hf_kw = {k: v for k, v in hf_kw.items() if not k.startswith("linear_") and k != "mamba_ssm_dtype"}
+        cfg = transformers.Qwen3Config(**hf_kw)
+        model_cls = transformers.Qwen3ForCausalLM
     cfg.architectures = cfg_dict["architectures"]
     if kind == "qwen3_5":
         cfg.mamba_ssm_dtype = "float32"
+    cfg.tie_word_embeddings = False
     model = model_cls(cfg).to(torch.bfloat16)
+    head, emb = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    if head.data_ptr() == emb.data_ptr() or torch.equal(head, emb):
+        raise SystemExit("tiny_hybrid_model: lm_head is tied to the embedding; refusing to save a model whose "
+                         "head vLLM would not load")
     model.save_pretrained(str(out), safe_serialization=True)
     # the gate's marker, and the values vLLM must read back
     path = out / "config.json"
     data = json.loads(path.read_text())
     data[MARKER] = True
     data.setdefault("mamba_ssm_dtype", cfg_dict.get("mamba_ssm_dtype")) if kind == "qwen3_5" else None
+    data["tie_word_embeddings"] = False
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}, indent=2))
+    problem = check_untied(out)
+    if problem:
+        raise SystemExit(f"tiny_hybrid_model: {problem}")
     n_params = sum(p.numel() for p in model.parameters())
-    info = {"out": str(out), "kind": kind, "params": n_params, "geometry": expected_geometry(cfg_dict),
+    info = {"out": str(out), "kind": kind, "params": n_params,
+            "geometry": expected_geometry(cfg_dict) if "linear_attention" in cfg_dict["layer_types"] else None,
             "torch": torch.__version__, "transformers": transformers.__version__}
     (out / "tiny_hybrid_model.json").write_text(json.dumps(info, indent=2))
     return info
@@ -178,7 +269,13 @@ def generate(out: Path, kind: str = "qwen3_5", seed: int = 0, layers: tuple[int,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="output directory")
-    ap.add_argument("--kind", choices=["qwen3_5", "qwen3_next"], default="qwen3_5")
+    ap.add_argument("--kind", choices=["qwen3_5", "qwen3_next", "qwen3"], default="qwen3_5",
+                    help="qwen3_next for vLLM on CPU (qwen3_5 needs torchvision); qwen3: pure attention "
+                         "(with --gdn-layers 0)")
+    ap.add_argument("--linear-value-heads", type=int,
+                    help="GDN value heads (default 16 for qwen3_5, 32 for qwen3_next; 16 gives the "
+                         "640-token block of vLLM for CPU)")
+    ap.add_argument("--check", metavar="DIR", help="check DIR's lm_head (untied, present) and exit 0/1")
     ap.add_argument("--gdn-layers", type=int, default=3)
     ap.add_argument("--attn-layers", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -186,14 +283,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--print-config", action="store_true")
     ap.add_argument("--print-geometry", action="store_true")
     args = ap.parse_args(argv)
-    cfg = tiny_config(args.kind, layers=(args.gdn_layers, args.attn_layers))
+    if args.check:
+        problem = check_untied(args.check)
+        print(problem or f"{args.check}: lm_head present and untied")
+        return 1 if problem else 0
+    cfg = tiny_config(args.kind, layers=(args.gdn_layers, args.attn_layers),
+                      linear_value_heads=args.linear_value_heads)
     if args.print_config:
         print(json.dumps(cfg, indent=2))
     if args.print_geometry:
         print(json.dumps(expected_geometry(cfg, tp=args.tp), indent=2))
     if args.out:
         try:
-            info = generate(Path(args.out), args.kind, args.seed, (args.gdn_layers, args.attn_layers))
+            info = generate(Path(args.out), args.kind, args.seed, (args.gdn_layers, args.attn_layers),
+                            args.linear_value_heads)
         except ImportError as exc:
             print(f"generation needs torch, transformers and tokenizers: {exc}", file=sys.stderr)
             return 3

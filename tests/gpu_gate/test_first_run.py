@@ -147,7 +147,9 @@ def test_every_arm_passes_the_flags_and_the_gate_passes(gate: GateRunner):
 
 def test_without_the_flags_the_gate_aborts_at_the_first_connected_arm(gate: GateRunner):
     _, result = gate.run("--no-enable-prefix-caching", "--mamba-cache-mode", "")
-    assert result["verdict"]["status"] == "error"
-    assert result["abort"]["state"] == "STORE_UP"
+    # an engine that exits at start with LMCache is LMCache refusing the model: a fail, one line
+    assert result["verdict"]["status"] == "fail"
+    assert result["abort"]["state"] == "STORE_UP" and result["abort"]["type"] == "EngineRefused"
     assert "mamba_cache_mode" in json.dumps(result["abort"])
+    assert result["verdict"]["reasons"][0].startswith("engine_starts_with_lmcache: ")
 

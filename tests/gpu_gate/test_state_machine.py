@@ -32,11 +32,18 @@ def test_cli_config():
                                             "auto", "--env", "A=1", "--gdn-prefill-backend", "none"])
     cfg = gpu_gate.config_from_args(ns)
     assert cfg.lengths == [8192, 16384, 1000]
-    assert cfg.attention_backend is None and cfg.gdn_prefill_backend is None
+    assert cfg.attention_backend == "" and cfg.gdn_prefill_backend == ""  # "": not passed to vLLM
     assert cfg.env == {"A": "1"}
+    cfg.apply_profile(gpu_gate.ed.GPU)
     assert cfg.resolved_expect_k() == 1 and cfg.resolved_chunk() == 544
     cfg = gpu_gate.GateConfig(model="/m")
+    cfg.apply_profile(gpu_gate.ed.GPU)
     assert cfg.resolved_expect_k() == 17
+    # the CPU profile: block 640, never sub-paged, no GPU memory check, memory bounded
+    cfg = gpu_gate.GateConfig(model="/m")
+    cfg.apply_profile(gpu_gate.ed.CPU)
+    assert (cfg.block_size, cfg.resolved_expect_k(), cfg.nvidia_smi) == (640, 1, "none")
+    assert cfg.env["VLLM_CPU_KVCACHE_SPACE"] and cfg.transfer_mode == "auto" and not cfg.attention_backend
     with pytest.raises(SystemExit):
         gpu_gate.config_from_args(gpu_gate.build_parser().parse_args(["--model", "/m", "--env", "novalue"]))
 

@@ -18,7 +18,13 @@ group and ignores SIGTERM) | ``crash`` (exit 3 at start) | ``hang`` (never
 healthy) | ``corrupt`` (keys read from restored chunks come back wrong) |
 ``slowstop`` (ignores SIGTERM; needs SIGKILL) | ``gpu-leak`` (GPU memory is
 never given back: ``$FAKE_GPU_STATE/stuck``) | ``unhealthy-after=N`` (/health
-and requests fail after N completions) | ``nohits`` (never asks LMCache).
+and requests fail after N completions; ``unhealthy-after-kv=N``: only an engine
+with LMCache) | ``nohits`` (never asks LMCache) |
+``uniform`` (every logprob -ln 512: a model whose logits ignore the KV).
+
+With ``logprobs: k`` in a request every output token carries its logprob and
+the top-k (``token_id:N`` keys, as ``return_tokens_as_token_ids`` gives),
+derived from the digest of the KV, so a wrong restore changes them too.
 
 The model is hybrid (Mamba/GDN + attention) unless its ``config.json`` says
 ``"fake_pure_attention": true``.  As in vLLM 0.27.1, prefix caching is off for a
@@ -89,6 +95,8 @@ def main() -> None:
     backend = (args.attention_backend or "FLASH_ATTN").upper()
     P = 32 if backend == "FLASHINFER" and N % 32 == 0 else N
     unhealthy_after = int(mode.split("=")[1]) if mode.startswith("unhealthy-after=") else None
+    if mode.startswith("unhealthy-after-kv=") and args.kv_transfer_config:  # only engines with LMCache
+        unhealthy_after = int(mode.split("=")[1])
 
     log(f"INFO vLLM stand-in: model {args.model}, mode {mode}")
     try:
@@ -228,6 +236,17 @@ def main() -> None:
         answer = "\n".join(keys) + f"\n#{digest}" if keys else f"No key found. #{digest}"
         out_ids = list(answer.encode("utf-8"))[: int(body.get("max_tokens") or 16)]
         served["n"] += 1
+        k = int(body.get("logprobs") or 0)
+
+        def logprobs(i: int, tok: int) -> tuple[float, dict[str, float]]:
+            if mode == "uniform":
+                v = -6.238325  # -ln 512
+                return v, {f"token_id:{t}": v for t in range(k)}
+            h = int(hashlib.sha256(f"{digest}:{i}".encode()).hexdigest(), 16)
+            top = {f"token_id:{tok}": -0.05 - (h % 997) / 4000}
+            for j in range(1, k):
+                top[f"token_id:{(tok + j) % 512}"] = -1.0 - j - ((h >> (10 * j)) % 1000) / 1000
+            return top[f"token_id:{tok}"], top
 
         h.send_response(200)
         h.send_header("Content-Type", "text/event-stream")
@@ -243,6 +262,10 @@ def main() -> None:
         for n, piece in enumerate(pieces):
             ch = {"index": 0, "text": bytes(piece).decode("utf-8", "replace"), "token_ids": piece,
                   "finish_reason": "length" if n == len(pieces) - 1 else None}
+            if k:
+                lps = [logprobs(8 * n + i, t) for i, t in enumerate(piece)]
+                ch["logprobs"] = {"tokens": [f"token_id:{t}" for t in piece],
+                                  "token_logprobs": [a for a, _ in lps], "top_logprobs": [b for _, b in lps]}
             if n == 0 and body.get("return_token_ids"):
                 ch["prompt_token_ids"] = ids
             send({"id": "cmpl-fake", "object": "text_completion", "model": model, "choices": [ch]})

@@ -45,12 +45,17 @@ class Completion:
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None
     chunks: int = 0
+    # per output token, when the request asked for ``logprobs``: the sampled token's logprob
+    # and the top-k {token: logprob} (tokens as "token_id:N" with return_tokens_as_token_ids)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
 
     def to_json(self, *, keep_ids: bool = True) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids if keep_ids else None, "ttft_s": self.ttft_s,
                 "total_s": self.total_s, "usage": self.usage, "finish_reason": self.finish_reason,
                 "chunks": self.chunks,
-                "prompt_ids_echoed": None if self.echoed_prompt_ids is None else len(self.echoed_prompt_ids)}
+                "prompt_ids_echoed": None if self.echoed_prompt_ids is None else len(self.echoed_prompt_ids),
+                "token_logprobs": self.token_logprobs or None, "top_logprobs": self.top_logprobs or None}
 
 
 def stream_completion(base_url: str, model: str, prompt_ids: Sequence[int], *, max_tokens: int,
@@ -97,6 +102,9 @@ def stream_completion(base_url: str, model: str, prompt_ids: Sequence[int], *, m
                     out.ttft_s = time.perf_counter() - t0
                 out.text += text
                 out.token_ids += list(toks)
+                lp = ch.get("logprobs") or {}
+                out.token_logprobs += list(lp.get("token_logprobs") or [])
+                out.top_logprobs += [dict(d or {}) for d in lp.get("top_logprobs") or []]
                 if ch.get("finish_reason"):
                     out.finish_reason = ch["finish_reason"]
         out.total_s = time.perf_counter() - t0

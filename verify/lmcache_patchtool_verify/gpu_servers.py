@@ -85,17 +85,24 @@ class VllmSettings:
     enable_prefix_caching: bool = True
     mamba_cache_mode: str | None = "align"
     extra_args: tuple[str, ...] = ()
+    # ``python -m vllm.entrypoints.openai.api_server`` takes the model as --model; ``vllm serve``
+    # as its first argument
+    model_flag: bool = False
+    pass_gpu_memory_utilization: bool = True  # not on CPU
 
 
 def vllm_argv(prefix: Sequence[str], s: VllmSettings, kv_cfg: dict[str, Any] | None) -> list[str]:
-    argv = list(prefix) + [
-        s.model, "--host", s.host, "--port", str(s.port), "--served-model-name", s.served_model_name,
-        "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
-        "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--max-num-seqs", "1",
-        "--gpu-memory-utilization", str(s.gpu_memory_utilization),
+    """``max_num_batched_tokens`` 0 (or None) leaves vLLM's default (multi-block prefill steps)."""
+    argv = list(prefix) + (["--model", s.model] if s.model_flag else [s.model]) + [
+        "--host", s.host, "--port", str(s.port), "--served-model-name", s.served_model_name,
+        "--dtype", s.dtype, "--max-model-len", str(s.max_model_len), "--max-num-seqs", "1",
         "--tensor-parallel-size", str(s.tensor_parallel_size), "--seed", str(s.seed),
         "--generation-config", "vllm",
     ]
+    if s.max_num_batched_tokens:
+        argv += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+    if s.pass_gpu_memory_utilization:
+        argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
     if s.tokenizer:
         argv += ["--tokenizer", s.tokenizer]
     if s.attention_backend:
@@ -124,6 +131,7 @@ class LMCacheSettings:
     l1_size_gb: float = 8.0
     l2_dir: str = ""
     extra_args: tuple[str, ...] = ()
+    transfer_mode: str | None = None  # --supported-transfer-mode (None: the server's default)
 
 
 def lmcache_argv(prefix: Sequence[str], s: LMCacheSettings) -> list[str]:
@@ -133,7 +141,7 @@ def lmcache_argv(prefix: Sequence[str], s: LMCacheSettings) -> list[str]:
         "--host", s.host, "--port", str(s.port), "--http-host", s.host, "--http-port", str(s.http_port),
         "--chunk-size", str(s.chunk_size), "--l1-size-gb", str(s.l1_size_gb), "--eviction-policy", "LRU",
         "--l2-adapter", json.dumps({"type": "fs", "base_path": s.l2_dir}, separators=(",", ":")),
-    ] + list(s.extra_args)
+    ] + (["--supported-transfer-mode", s.transfer_mode] if s.transfer_mode else []) + list(s.extra_args)
 
 
 # ---------------------------------------------------------------------------
@@ -147,6 +155,8 @@ COMPRESSED_RE = re.compile(r"group (\d+): compressed \(tokens_per_block=(\d+), s
 VLLM_BLOCK_RE = re.compile(r"Setting attention block size to (\d+) tokens")
 VLLM_BACKEND_RE = re.compile(r"Using (?:AttentionBackendEnum\.)?([A-Z_0-9]+) (?:attention )?backend")
 VLLM_EXTERNAL_CONNECTOR_RE = re.compile(r"Using external LMCacheMPConnector|Creating v1 connector with name: (\w+)")
+# the line an engine that refused to start leaves last: an exception, a refusal
+ERROR_LINE_RE = re.compile(r"(\w+(?:Error|Exception)\b.*|.*\brefus\w*\b.*|.*does not support.*)")
 
 
 def lmcache_log_facts(text: str) -> dict[str, Any]:
@@ -157,6 +167,16 @@ def lmcache_log_facts(text: str) -> dict[str, Any]:
             for m in COMPRESSED_RE.findall(text)]
     return {"sub_paged_groups": sub, "compressed_groups": comp,
             "patch_marker_lines": text.count("[lmcache-patchtool hybrid-fa]")}
+
+
+def last_error_line(text: str) -> str | None:
+    """The last line of a log that names an exception or a refusal (one line, trimmed), or None."""
+    lines = [ln.strip() for ln in _ANSI.sub("", text).splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        m = ERROR_LINE_RE.search(ln)
+        if m and "Traceback" not in ln:
+            return " ".join(ln.split())[:400]
+    return None
 
 
 def vllm_log_facts(text: str) -> dict[str, Any]:

