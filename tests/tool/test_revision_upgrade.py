@@ -40,6 +40,10 @@ ADDED_BY_09 = {"0.5.5": ["lmcache/v1/platform/cpu/cache_context.py", "lmcache/v1
                "0.5.6": ["lmcache/v1/platform/devices/cpu/cache_context.py",
                          "lmcache/v1/platform/devices/cpu/shm.py",
                          "lmcache/v1/platform/torch_ops/mp_mem_kernels.py"]}
+# 12-l2-checksum (revision 4, every version): the fs L2 adapter's checksum
+# trailer, and the fs_native adapter's refusal.
+ADDED_BY_12 = ["lmcache/v1/distributed/l2_adapters/fs_l2_adapter.py",
+               "lmcache/v1/distributed/l2_adapters/fs_native_l2_adapter.py"]
 
 
 def shipped_manifest(version: str) -> dict:
@@ -66,6 +70,8 @@ def added_files(version: str, revision: int) -> list[str]:
             files |= set(ADDED_BY_08.get(version, ADDED_BY_08_DEFAULT))
         elif name.startswith("09-"):
             files |= set(ADDED_BY_09[version])
+        elif name.startswith("12-"):
+            files |= set(ADDED_BY_12)
         else:
             raise AssertionError(f"{version}: part {name} has no pinned file list here")
     return sorted(files)
@@ -158,8 +164,9 @@ def test_revision2_install_upgrades_with_apply(tmp_path, bare_envs, version):
 @pytest.mark.parametrize("version", ["0.5.6"] + (["0.5.5"] if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
                                                   else []))
 def test_revision3_install_upgrades_with_apply(tmp_path, bare_envs, version):
-    """3 -> 4 (09-padded-block-stride): only the three files part 09 changes
-    (and pip's RECORD) are rewritten; revert is byte-exact."""
+    """3 -> 4 (09-padded-block-stride, 12-l2-checksum): only the three files
+    part 09 changes and the two part 12 changes (and pip's RECORD) are
+    rewritten; revert is byte-exact."""
     assert shipped_revision(version) == 4
     venv = copy_venv(bare_envs[version], tmp_path / "venv")
     py = str(venv / "bin" / "python")
@@ -169,7 +176,7 @@ def test_revision3_install_upgrades_with_apply(tmp_path, bare_envs, version):
     r3_site = tree_hashes(site_of(venv), SKIP)
 
     res = upgrade_with_apply(py, version)
-    assert sorted(res["changed_files"]) == sorted(ADDED_BY_09[version]) == added_files(version, 3)
+    assert sorted(res["changed_files"]) == sorted(ADDED_BY_09[version] + ADDED_BY_12) == added_files(version, 3)
     r4_site = tree_hashes(site_of(venv), SKIP)
     changed = {p for p in set(r3_site) | set(r4_site) if r3_site.get(p) != r4_site.get(p)}
     assert {p for p in changed if not p.endswith("/RECORD")} == set(res["changed_files"])
