@@ -434,8 +434,10 @@ class Gate:
                 if r.error:
                     continue
                 objs = l2_objects(l2_dir, r.model)
-                sizes = sorted({p.stat().st_size for p in objs})
+                # KV bytes: a patched build's file also holds a 64-byte checksum trailer
+                sizes = sorted({tier_objects.kv_len(p) for p in objs})
                 r.result["on_disk"] = {"objects": len(objs), "expected": want[r.model], "object_bytes": sizes,
+                                       "checksum_trailers": sum(tier_objects.has_trailer(p) for p in objs),
                                        "full_fidelity_object_bytes": r.full_object_bytes(),
                                        "fraction_of_full": (sizes[0] / r.full_object_bytes()) if sizes else None,
                                        "model_fields": l2_listing(objs)}

@@ -145,26 +145,31 @@ def test_full_matrix_matches_expected_outcome(tmp_path: Path) -> None:
 
 
 def test_attention_k1_objects_keep_pristine_keys_and_bytes(ci_run) -> None:
-    """Issue 12: a non-hybrid k = 1 model keeps LMCache's keys and bytes under
-    the series.  The CI edges' writers pristine 0.5.6 and patched 0.5.6 stored
-    the same ``pure-attn-k1`` request (same seed): apart from the writer's own
-    model prefix, every L2 file name (rank, object group, chunk hash; no
-    ``+kvl`` namespace) and every file's bytes are identical."""
+    """Issue 12: a non-hybrid k = 1 model keeps LMCache's keys and KV bytes
+    under the series.  The CI edges' writers pristine 0.5.6 and patched 0.5.6
+    stored the same ``pure-attn-k1`` request (same seed): apart from the
+    writer's own model prefix, every L2 file name (rank, object group, chunk
+    hash; no ``+kvl`` namespace) is the same, and every file's KV bytes are;
+    the patched file adds its checksum trailer after them (12-l2-checksum),
+    which a pristine reader never reads."""
     import hashlib
+
+    from lmcache_patchtool_verify import tier_objects  # noqa: PLC0415  (stdlib only)
 
     _, _, work = ci_run
 
-    def objects(label: str, cb: int) -> dict[str, str]:
+    def objects(label: str, cb: int) -> dict[str, tuple[str, bool]]:
         l2 = work / "wd" / f"w-{label}-cb{cb}" / "l2"
         out = {}
         for p in l2.glob("*.data"):
             model, _, rest = p.name.partition("@")
             if "pure-attn-k1" in model:
                 assert "+kvl" not in model, p.name
-                out[rest] = hashlib.sha256(p.read_bytes()).hexdigest()
+                out[rest] = (hashlib.sha256(tier_objects.kv_bytes(p)).hexdigest(), tier_objects.has_trailer(p))
         return out
 
     for cb in (1, 2):
         pristine, patched = objects("0.5.6-pristine", cb), objects("0.5.6-patched", cb)
         assert len(pristine) == 3, (cb, sorted(pristine))
-        assert patched == pristine, cb
+        assert {k: d for k, (d, _) in patched.items()} == {k: d for k, (d, _) in pristine.items()}, cb
+        assert all(t for _, t in patched.values()) and not any(t for _, t in pristine.values()), cb

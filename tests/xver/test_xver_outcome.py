@@ -84,7 +84,10 @@ def test_shared_objects_hit_exactly(cb: int) -> None:
     """Design doc 3.3 + the namespaces the series logs (tests/ports/test_layout_keys.py):
     builds that share an object must hit it exactly, the others must miss."""
     for w, r in PAIRS:
-        assert expected_outcome(w, r, "pure-attn-k1", cb) == "exact", (w, r)  # non-hybrid k=1: one class
+        # non-hybrid k=1: one class, except that a patched reader refuses a pristine
+        # object (no checksum trailer: 12-l2-checksum)
+        unchecked = w.state == "pristine" and r.state == "patched"
+        assert expected_outcome(w, r, "pure-attn-k1", cb) == ("miss" if unchecked else "exact"), (w, r)
         if w.state == r.state == "patched":
             assert expected_outcome(w, r, "pure-attn-bs128", cb) == "exact", (w, r)  # one fingerprint
     sep = [S["0.5.4"], S["0.5.5"], S["0.5.6"]]  # 06: separate, namespaced GDN + attention objects
@@ -98,7 +101,21 @@ def test_shared_objects_hit_exactly(cb: int) -> None:
             assert expected_outcome(w, r, name, cb) == expected_outcome(r, w, name, cb) == "miss", (w, r, name)
     if cb == 1:  # hybrid k=1, C=N: one class for every build that keeps the bare key
         for w, r in itertools.product(bare, bare):
-            assert expected_outcome(w, r, "control-k1", cb) == "exact", (w, r)
+            unchecked = w.state == "pristine" and r.state == "patched"
+            assert expected_outcome(w, r, "control-k1", cb) == ("miss" if unchecked else "exact"), (w, r)
+
+
+@pytest.mark.parametrize("cb", xo.CHUNK_BLOCKS)
+def test_checksums_refuse_pristine_objects_under_shared_keys(cb: int) -> None:
+    """12-l2-checksum: where pristine and patched share a key (pure attention
+    k=1), the patched reader refuses the pristine object (no trailer) and the
+    pristine reader reads the patched one (the KV bytes, the trailer ignored);
+    with 06's keys (no checksums) both ways were exact."""
+    for v in xo.VERSIONS:
+        assert predicted_outcome(P[v], S[v], "pure-attn-k1", cb, "06") == "exact"
+        assert expected_outcome(P[v], S[v], "pure-attn-k1", cb) == "miss"
+        assert expected_outcome(S[v], P[v], "pure-attn-k1", cb) == "exact"
+        assert expected_outcome(S[v], S[v], "pure-attn-k1", cb) == "exact"
 
 
 @pytest.mark.parametrize("cb", xo.CHUNK_BLOCKS)

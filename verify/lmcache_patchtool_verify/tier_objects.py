@@ -59,14 +59,15 @@ def kv_bytes(path: Path) -> bytes:
     return data[:-TRAILER_LEN] if has_trailer(path) else data
 
 
-def _kv_len(path: Path) -> int:
+def kv_len(path: Path) -> int:
+    """The number of KV bytes of an object (its size less a trailer, if any)."""
     size = path.stat().st_size
     return size - TRAILER_LEN if has_trailer(path) else size
 
 
 def flip_byte(path: Path, offset: int | None = None) -> int:
     """Bit rot: flip every bit of one KV byte in place (default: the middle one)."""
-    at = _kv_len(path) // 2 if offset is None else offset
+    at = kv_len(path) // 2 if offset is None else offset
     with open(path, "r+b") as f:
         f.seek(at)
         b = f.read(1)
@@ -79,7 +80,7 @@ def tear(path: Path) -> int:
     """A torn copy into a pre-sized file: the second half of the KV bytes and
     everything after them become zeros, the size is unchanged."""
     size = path.stat().st_size
-    cut = _kv_len(path) // 2
+    cut = kv_len(path) // 2
     with open(path, "r+b") as f:
         f.truncate(cut)
         f.truncate(size)
@@ -88,7 +89,7 @@ def tear(path: Path) -> int:
 
 def cut_short(path: Path) -> int:
     """An interrupted copy: the file ends in the middle of its KV bytes."""
-    cut = _kv_len(path) // 2
+    cut = kv_len(path) // 2
     os.truncate(path, cut)
     return cut
 

@@ -141,10 +141,15 @@ LOSSY = "one-page"  # class prefix of pristine sub-paged objects (1 of k pages p
 #   today  every build under the bare model name (the series before 05-layout-keys);
 #   05     hybrid-fa revision 2 up to 05-layout-keys (commit c1efd70);
 #   06     plus 06-state-chunk-ends (0.5.4-0.5.6 write a hybrid's groups as
-#          separate, namespaced objects; the GDN state group has a one-chunk window).
-# "layout" is the series as it stands (06).
-KEYS = ("today", "05", "06")
-CURRENT_KEYS = "06"
+#          separate, namespaced objects; the GDN state group has a one-chunk window);
+#   12     06's keys plus 12-l2-checksum: a patched build writes a checksum trailer
+#          after the KV bytes and refuses an object without one, so an object a
+#          pristine build wrote under a key both share is a miss for a patched
+#          reader (the other way round the pristine reader reads the KV bytes
+#          and ignores the trailer).
+# "layout" is the series as it stands (12).
+KEYS = ("today", "05", "06", "12")
+CURRENT_KEYS = "12"
 
 
 def namespace(build: Build, name: str, chunk_blocks: int, keys: str = "layout") -> tuple[str, ...]:
@@ -170,7 +175,7 @@ def namespace(build: Build, name: str, chunk_blocks: int, keys: str = "layout") 
     if fam == "pure":
         return (f"kvl1[pure-pass-major,C={chunk_blocks}N]",)
     gen = build.generation
-    if keys == "06" and gen != "old":
+    if keys in ("06", "12") and gen != "old":
         fa = {"hybrid-k1": "engine", "hybrid": "0.5.6-review" if gen == "new" else "pass-major"}[fam]
         return (f"kvl1[gdn-state,C={chunk_blocks}N]", f"kvl1[fa-{fa},C={chunk_blocks}N]")
     if fam == "hybrid-k1":
@@ -184,15 +189,19 @@ def namespace(build: Build, name: str, chunk_blocks: int, keys: str = "layout") 
 def predicted_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int, keys: str = "layout") -> str:
     """What the byte classes predict the CPU gate sees.
 
-    Different keys (any object group): a miss.  Same namespaced keys: the same
+    Different keys (any object group): a miss.  From 12, a pristine writer and a
+    patched reader: a miss (no checksum trailer).  Same namespaced keys: the same
     layout by construction, exact.  Same bare keys: the reader's L1 buffer has
     the reader's size; a shorter file is an incomplete read (a miss), a longer
     or equal one fills the buffer (a hit), exact iff the bytes are the same
     lossless class.
     """
+    keys = CURRENT_KEYS if keys == "layout" else keys
     ns_w, ns_r = namespace(writer, name, chunk_blocks, keys), namespace(reader, name, chunk_blocks, keys)
     if ns_w != ns_r:
         return "miss"
+    if keys == "12" and writer.state == "pristine" and reader.state == "patched":
+        return "miss"  # no checksum trailer: refused, and rewritten by the reader's next store
     if ns_w != ("",):
         return "exact"
     (wc, ws), (rc, rs) = byte_class(writer, name, chunk_blocks), byte_class(reader, name, chunk_blocks)
