@@ -12,8 +12,14 @@ equally), it times:
 * ``find DIR -type f | wc -l``: names only (getdents, no stat);
 * ``find DIR -type f -printf '%s %f\\n' | wc -l``: names and sizes, the same
   information the scan reads (one stat per file);
-* the real CLI, ``python -m patchtool l2 scan DIR --assume kvl1 --json``;
-* the same with ``--names-only`` (no lstat: what ``find -type f`` reads).
+* the real CLI, ``python -m patchtool l2 scan DIR --assume kvl1 --json``
+  (with ``--expect-size`` naming model B's size, so its 1% of other-sized
+  objects are flagged rather than reported ambiguous);
+* the same with ``--names-only`` (no lstat: what ``find -type f`` reads);
+* with ``--compare TREE``, both scans again from another checkout of the tool
+  (e.g. ``git archive <commit> patchtool | tar -x -C TREE``), run as
+  ``python -m patchtool`` in TREE, in the same rounds: the ratio of the two
+  trees' times says whether a change made the scan slower.
 
 It prints the medians, rates and the ratios of each scan's rate to the find
 that reads the same information (and of the full scan to the names-only
@@ -22,7 +28,7 @@ find), and the full scan's peak RSS.  With ``--quarantine`` it then times one
 31% once).  Usage:
 
     .venv/bin/python bench/bench_l2_scan.py [--files N] [--rounds 3] [--dir D] [--keep]
-                                            [--quarantine] [--json]
+                                            [--quarantine] [--compare TREE] [--json]
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from patchtool.l2names import object_name  # noqa: E402
+
+SCAN_EXITS = (0, 20, 21)  # clean, flagged, ambiguous
 
 MODEL_A, MODEL_B = "Qwen/Qwen3.5-0.8B", "meta-llama/Llama-3.1-8B"
 RANK = 0x01000100
@@ -84,10 +92,15 @@ def build(d: Path, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def _run(cmd: list[str] | str, shell: bool = False) -> tuple[float, int, int, str]:
-    """Seconds, exit code, peak RSS (KiB) of the process, its stdout."""
+def _run(cmd: list[str] | str, shell: bool = False,
+         tree: str | None = None) -> tuple[float, int, int, str]:
+    """Seconds, exit code, peak RSS (KiB) of the process, its stdout.  With
+    ``tree``, ``python -m patchtool`` imports the tool from that directory
+    (it is the working directory, which ``-m`` puts first on sys.path)."""
+    env = dict(os.environ, PYTHONPATH=tree) if tree else None
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, shell=shell, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(cmd, shell=shell, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         cwd=tree, env=env)
     out = p.stdout.read()
     _, status, ru = os.wait4(p.pid, 0)
     dt = time.perf_counter() - t0
@@ -112,27 +125,36 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the tier afterwards")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--quarantine", action="store_true", help="also time one --quarantine run")
+    ap.add_argument("--compare", metavar="TREE", help="also time both scans from the patchtool "
+                    "package in TREE (another checkout), in the same rounds")
     args = ap.parse_args()
     d = _pick_dir(args.dir, args.files)
     try:
         built = build(d, args.files)
         fs = subprocess.run(["stat", "-f", "-c", "%T", str(d)], capture_output=True,
                             text=True).stdout.strip()
+        scan = [sys.executable, "-m", "patchtool", "l2", "scan", str(d), "--assume", "kvl1",
+                "--json"]
+        expect = ["--expect-size", f"{object_name(MODEL_B, RANK, 0, '00').rsplit('@', 1)[0]}"
+                  f"={FULL}"]
         cmds = {
-            "find | wc -l": (f"find '{d}' -type f | wc -l", True),
-            "find -printf %s | wc -l": (f"find '{d}' -type f -printf '%s %f\\n' | wc -l", True),
-            "l2 scan --json": ([sys.executable, "-m", "patchtool", "l2", "scan", str(d),
-                                "--assume", "kvl1", "--json"], False),
-            "l2 scan --names-only": ([sys.executable, "-m", "patchtool", "l2", "scan", str(d),
-                                      "--assume", "kvl1", "--json", "--names-only"], False),
+            "find | wc -l": (f"find '{d}' -type f | wc -l", True, None),
+            "find -printf %s | wc -l": (f"find '{d}' -type f -printf '%s %f\\n' | wc -l", True,
+                                        None),
+            "l2 scan --json": ([*scan, *expect], False, None),
+            "l2 scan --names-only": ([*scan, "--names-only"], False, None),
         }
+        if args.compare:
+            tree = os.path.abspath(args.compare)
+            cmds["compare: l2 scan --json"] = (scan, False, tree)
+            cmds["compare: l2 scan --names-only"] = ([*scan, "--names-only"], False, tree)
         times: dict[str, list[float]] = {k: [] for k in cmds}
         rss, scan_doc, names_doc = 0, None, None
         for _ in range(args.rounds):
-            for k, (cmd, shell) in cmds.items():
-                dt, rc, maxrss, out = _run(cmd, shell)
+            for k, (cmd, shell, tree) in cmds.items():
+                dt, rc, maxrss, out = _run(cmd, shell, tree)
                 times[k].append(dt)
-                if k.startswith("l2 scan") and rc not in (0, 20):
+                if "l2 scan" in k and rc not in SCAN_EXITS:
                     sys.exit(f"bench_l2_scan: {k} exited {rc}")
                 if k == "l2 scan --json":
                     rss, scan_doc = max(rss, maxrss), json.loads(out)
@@ -158,10 +180,13 @@ def main() -> int:
             "scan_objects": res["objects"], "scan_flagged": res["flagged_objects"],
             "scan_exit": scan_doc["exit_code"],
         }
+        if args.compare:
+            fig["compare_tree"] = args.compare
+            fig["ratio_time_to_compare"] = {
+                k: round(med[k] / med[f"compare: {k}"], 3)
+                for k in ("l2 scan --json", "l2 scan --names-only")}
         if args.quarantine:
-            dt, rc, _, out = _run([sys.executable, "-m", "patchtool", "l2", "scan", str(d),
-                                   "--assume", "kvl1", "--json", "--quarantine",
-                                   str(d.parent / "quarantine")])
+            dt, rc, _, out = _run([*scan, *expect, "--quarantine", str(d.parent / "quarantine")])
             q = json.loads(out)["result"]["quarantine"]
             fig["quarantine"] = {"seconds": round(dt, 3), "exit": rc, "moved": q["moved"],
                                  "passes": q["passes"]}
@@ -182,6 +207,8 @@ def main() -> int:
                   f"{fig['ratio_find_sizes_to_find_count']:.2f}x  (the cost of a stat per file)")
             print(f"  scan peak RSS {fig['scan_peak_rss_mib']} MiB; {res['objects']} objects, "
                   f"{res['flagged_objects']} flagged (exit {scan_doc['exit_code']})")
+            for k, v in fig.get("ratio_time_to_compare", {}).items():
+                print(f"  {k}: this tree's time / {args.compare}'s : {v:.2f}x")
             if args.quarantine:
                 q = fig["quarantine"]
                 print(f"  --quarantine: moved {q['moved']} in {q['seconds']:.2f} s "

@@ -431,7 +431,9 @@ def cmd_l2(args) -> int:
     from . import l2command, l2reader, output
 
     if args.l2_command == "restore":
-        res = l2command.run_restore(Path(args.dest))
+        from .l2restore import restore
+
+        res = restore(Path(args.dest))
         if args.json:
             output.emit_json("l2 restore", res, ExitCode.OK)
         else:

@@ -1,7 +1,7 @@
-"""The ``patchtool l2`` commands: option checks, then scan, quarantine and
-the final re-scan (``l2 scan``), or the undo (``l2 restore``), and the exit
-status.  Every refusal comes before the first write; rendering is
-``patchtool.l2render``.
+"""The ``patchtool l2 scan`` command: option checks, the scan, the
+quarantine and the final re-scan, and the exit status.  Every refusal comes
+before the first write; rendering is ``patchtool.l2render``; the undo,
+``l2 restore``, is ``patchtool.l2restore`` alone.
 
 Exit status of ``l2 scan`` (README, "Disk tier"): from what DIR holds when
 the command ends, never from what a plan expected to move:
@@ -23,7 +23,6 @@ from .exitcodes import ExitCode
 from .l2names import PREFIX_RE
 from .l2quarantine import QuarantineResult, check_dest, quarantine
 from .l2reader import TierReader
-from .l2restore import RestoreResult, restore
 from .l2rules import CATEGORIES, EXPECT_OPTION, NEVER_READ, Expectations
 from .l2scan import FinalState, ScanResult, as_final, final_state, scan
 
@@ -100,7 +99,3 @@ def scan_exit_code(report: ScanReport) -> ExitCode:
     if report.final.ambiguous_sets:
         return ExitCode.L2_AMBIGUOUS
     return ExitCode.OK
-
-
-def run_restore(dest: Path) -> RestoreResult:
-    return restore(dest)

@@ -10,7 +10,6 @@ deleted or overwritten.  The undo is ``patchtool.l2restore``.
 from __future__ import annotations
 
 import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,7 +151,7 @@ def quarantine(src: Path, dest: Path, plan: Plan, only: list[str], reader: TierR
     if open_run is not None:
         todo, run = Plan.from_records(open_run["plan"]), str(open_run["run"])
     else:
-        todo, run = Plan.from_records(plan.records(only)), uuid.uuid4().hex[:12]
+        todo, run = Plan.from_records(plan.records(only)), os.urandom(6).hex()
     res = QuarantineResult(str(dest), str(journal.path), only, None, open_run is not None, 0,
                            0, {c: 0 for c in only}, 0, [], 0)
     if not todo.sets:

@@ -85,12 +85,13 @@ def _set_line(s: ObjectSet, sizes_read: bool) -> str:
 def _ambiguous_line(s: ObjectSet) -> str:
     """The one line an operator needs: which set, its sizes, and how to
     resolve it."""
-    sizes = ", ".join(f"{size} B x{n}" for size, n in s.sizes.items())
+    flagged = {f.size for f in s.flagged}
+    sizes = ", ".join(f"{size} B x{n}" for size, n in s.sizes.items() if size not in flagged)
     arg = f"'{s.set}=SIZE'" if "'" not in s.set else f"{s.set}=SIZE"
     return (f"[yellow]ambiguous[/]   : {shown(s.model)} {shown(s.namespace) or '(plain)'} "
             f"kv_rank {s.kv_rank} group {s.object_group} holds {sizes}; the tier cannot tell "
-            f"which size this reader writes, so none is flagged or moved: name it with "
-            f"{EXPECT_OPTION} {shown(arg)}")
+            f"which size this reader writes, so none of these is flagged or moved: name it "
+            f"with {EXPECT_OPTION} {shown(arg)}")
 
 
 def _quarantine_lines(con: Console, res: ScanReport) -> None:
@@ -121,7 +122,7 @@ def _verdict(con: Console, res: ScanReport, code: int) -> None:
         con.print(f"exit code {int(code)}: {fin.ambiguous_sets} ambiguous set(s) in "
                   f"{shown(res.dir)}, nothing flagged")
     elif res.sizes_read:
-        con.print("nothing flagged")
+        con.print("nothing flagged" + (" (DIR re-scanned)" if fin.rescanned else ""))
     else:
         con.print(f"nothing flagged by name ({UNPATCHED}, {SIZE_MISMATCH} and ambiguity not "
                   "judged: sizes not read)")
@@ -149,7 +150,7 @@ def render_restore(res: RestoreResult, code: int) -> None:
               f"{into}{how}")
     if res.kept:
         con.print(f"[yellow]kept aside[/]  : {res.kept} object(s) left in DEST: DIR holds an "
-                  f"entry of that name (a newer object the server stored, kept): "
+                  f"entry of that name (the server stored the key again, say), which stays: "
                   f"{', '.join(shown(n) for n in res.kept_names[:5])}")
     if res.untracked:
         con.print(f"untracked   : {res.untracked} object(s) in DEST that no quarantine moved "

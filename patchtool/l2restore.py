@@ -17,7 +17,6 @@ The run is journaled like a quarantine (``patchtool.l2journal``): ``begin``
 from __future__ import annotations
 
 import os
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,7 +103,7 @@ def restore(dest: Path) -> RestoreResult:
                             untracked=untracked)
         if not todo and open_run is None:
             return res  # nothing to restore: nothing written
-        res.run = str(open_run["run"]) if open_run else uuid.uuid4().hex[:12]
+        res.run = str(open_run["run"]) if open_run else os.urandom(6).hex()
         if open_run is None:
             journal.append([{"event": "begin", "kind": RESTORE, "run": res.run, "time": now(),
                              "dirs": dirs}])
