@@ -11,8 +11,11 @@ tier), stdlib only::
                                                                   # exchange their bytes
 
 ``--match`` selects objects by a regular expression on the file name (default:
-every ``*.data`` file); ``--group N`` selects the N-th object group when a
-hybrid's chunk is stored as several objects (the file names' group field).
+every ``*.data`` file); ``--group N`` selects one object group of a hybrid's
+chunks, the third ``@`` field of an fs L2 object's name
+(``<model>+<layout>@<format>@<group>@<chunk hash>.data``; on the tiny hybrid,
+group 0 is the GDN state, stored at the prompt's last whole chunk only, and
+group 1 the attention KV, one object per chunk).
 ``swap`` exchanges the content of same-size objects pairwise (chunk i gets
 chunk j's bytes): the restore then serves a real, well-formed state from
 another position, which only a verdict that compares against a reference can
@@ -48,8 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("mode", choices=["zero", "flip", "swap"])
     ap.add_argument("l2_dir", type=Path)
     ap.add_argument("--match", help="regular expression on the object file name")
+    ap.add_argument("--group", type=int, help="only this object group (the name's third @ field)")
     args = ap.parse_args(argv)
     files = select(args.l2_dir, args.match)
+    if args.group is not None:
+        files = [f for f in files if len(f.name.split("@")) == 4 and f.name.split("@")[2] == str(args.group)]
     if not files:
         print(f"{args.l2_dir}: no object matches {args.match!r}", file=sys.stderr)
         return 1

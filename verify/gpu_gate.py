@@ -596,7 +596,7 @@ class GateRun:
             self.note(role.upper(), f"control engine refused to start: {self.engine_refused.get(role)}")
             self._stop_lmcache(role)
             self.arms.setdefault("control_restore", {})
-            self.table = {**self.table, role.upper(): "VERDICT"}
+            self.table = {**self.table, role.upper() + "_UP": "VERDICT"}
             self._control_skipped = f"the unpatched engine refused to start ({exc})"[:600]
 
     def s_control_restore_ask(self) -> None:

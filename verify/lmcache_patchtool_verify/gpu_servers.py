@@ -169,9 +169,20 @@ def lmcache_log_facts(text: str) -> dict[str, Any]:
             "patch_marker_lines": text.count("[lmcache-patchtool hybrid-fa]")}
 
 
+# wrappers vLLM puts around a worker's exception: never the root cause
+_WRAPPER_RE = re.compile(r"initialization failed|See root cause above|check the stack trace above|EngineDeadError")
+_EXC_RE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+
+
 def last_error_line(text: str) -> str | None:
-    """The last line of a log that names an exception or a refusal (one line, trimmed), or None."""
+    """One line naming why a process failed (trimmed): the first exception a log records that is
+    not a wrapper (vLLM re-raises a worker's error twice more), outside WARNING lines; else the
+    last line naming an exception or a refusal; None when there is none."""
     lines = [ln.strip() for ln in _ANSI.sub("", text).splitlines() if ln.strip()]
+    for ln in lines:
+        m = _EXC_RE.search(ln)
+        if m and " WARNING " not in ln and not _WRAPPER_RE.search(ln):
+            return " ".join(f"{m.group(1)}: {m.group(2)}".split())[:400]
     for ln in reversed(lines):
         m = ERROR_LINE_RE.search(ln)
         if m and "Traceback" not in ln:
