@@ -109,3 +109,22 @@ def test_final_state_is_reported_after_a_clean_quarantine(tmp_path):
     assert fin["rescanned"] is True and fin["objects"] == 1 and fin["flagged_objects"] == 0
     r = cli("l2", "scan", str(d), "--assume", "kvl1", "--json")
     assert r.json["result"]["final"]["rescanned"] is False  # a scan alone is its own final state
+
+
+def test_left_out_objects_whose_evidence_moved_are_still_counted(tmp_path):
+    """The 1/2 plain objects' only evidence is a never-read namespace.
+    ``--only never-read`` moves that namespace and leaves them: a fresh scan
+    no longer flags them, the run's plan still does, so they are counted."""
+    d, q = tmp_path / "t", tmp_path / "q"
+    d.mkdir()
+    for i in range(3):
+        put(d, name(0, i, NS2), 64)
+    for i in range(5):
+        put(d, name(0, 10 + i), 32)
+    r = cli("l2", "scan", str(d), "--assume", "kvl1", "--quarantine", str(q), "--only",
+            "never-read", "--json")
+    assert r.rc == FLAGGED, r.err
+    fin = r.json["result"]["final"]
+    assert (fin["flagged_objects"], fin["flagged"]["unpatched"]["objects"]) == (5, 5)
+    assert fin["examples"]["unpatched"] == name(0, 10)
+    assert scan_json(d, "--assume", "kvl1")[1]["result"]["flagged_objects"] == 0
