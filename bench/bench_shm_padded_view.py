@@ -19,7 +19,9 @@ does that with LMCache's own functions and measures:
    through the model's view is looked for in the server's mapping (the
    wrapper sent over the wire, ``to_tensor`` as the server does), and bytes
    the server writes into a block are looked for through the model's view.
-   The re-pointed registered view is the control.
+   The re-pointed registered view is the control.  The same is measured for
+   vLLM 0.27-0.29's contiguous page, which the shared-memory path accepts
+   today (vLLM 0.27.1 binds its Mamba state views the same way).
 2. **What migrating costs.**  Seconds per GiB of ``migrate_to_shm_and_wrap``
    for the pool (the copy of the whole storage, padding included, into
    ``/dev/shm``), at two pool sizes.
@@ -74,15 +76,20 @@ def shm_module(version: str) -> Any:
     return shm
 
 
-def vllm_layer(num_blocks: int) -> tuple[Any, Any, list]:
-    """A GDN layer as vLLM 0.30+ allocates, registers and binds it: the raw
-    buffer, the registered padded view, and the model's per-state views."""
+def vllm_layer(num_blocks: int, padded: bool = True) -> tuple[Any, Any, list]:
+    """A GDN layer as vLLM allocates, registers and binds it: the raw buffer,
+    the registered view (0.30+: the padded ``(nb, 1, 1, content)`` view;
+    ``padded=False``: 0.27-0.29's contiguous ``(nb, 1, 1, page)``), and the
+    model's per-state views."""
     import torch  # noqa: PLC0415
 
     content = sum(torch.empty(0, dtype=getattr(torch, d)).element_size() * int(torch.Size(s).numel())
                   for s, d in STATES)
     raw = torch.zeros(num_blocks * PAGE, dtype=torch.int8)
-    registered = torch.as_strided(raw, (num_blocks, 1, 1, content), (PAGE, content, content, 1))
+    if padded:
+        registered = torch.as_strided(raw, (num_blocks, 1, 1, content), (PAGE, content, content, 1))
+    else:
+        registered = raw.view(num_blocks, 1, 1, PAGE)
     pages = registered.squeeze(dim=(1, 2))
     states, offset = [], 0
     for shape, dtype in STATES:
@@ -93,6 +100,15 @@ def vllm_layer(num_blocks: int) -> tuple[Any, Any, list]:
     return raw, registered, states
 
 
+def server_view(wrapper: Any) -> Any:
+    """What the server maps: the wrapper after its wire round trip (0.5.6),
+    or 0.5.5's wrapper itself (msgspec carries it whole); ``to_tensor`` maps
+    the segment by name, as in the server process."""
+    if hasattr(type(wrapper), "from_wire"):
+        wrapper = type(wrapper).from_wire(wrapper.to_wire())
+    return wrapper.to_tensor()
+
+
 def carry(shm: Any, raw: Any, registered: Any) -> Any:
     """Migrate the storage and re-point the padded view as the sibling path of
     ``migrate_to_shm_and_wrap`` does; return the server's view of the layer."""
@@ -101,21 +117,26 @@ def carry(shm: Any, raw: Any, registered: Any) -> Any:
     sibling = raw.view(registered.shape[0], PAGE)  # contiguous: accepted today
     wrapper = shm.migrate_to_shm_and_wrap(sibling)
     registered.set_(sibling.untyped_storage(), registered.storage_offset(), registered.shape, registered.stride())
-    server_pages = type(wrapper).from_wire(wrapper.to_wire()).to_tensor()  # what the server maps
+    server_pages = server_view(wrapper)
     return torch.as_strided(server_pages, registered.shape, registered.stride(), registered.storage_offset())
 
 
-def visibility(version: str, num_blocks: int = 8) -> dict[str, Any]:
+def visibility(version: str, padded: bool = True, num_blocks: int = 8) -> dict[str, Any]:
+    """``padded``: carry the 0.30+ view as the sibling path would; else the
+    contiguous 0.27-0.29 page, which ``migrate_to_shm_and_wrap`` takes today."""
     import torch  # noqa: PLC0415
 
     shm = shm_module(version)
-    raw, registered, states = vllm_layer(num_blocks)
+    raw, registered, states = vllm_layer(num_blocks, padded)
     refusal = None
-    try:
-        shm.migrate_to_shm_and_wrap(registered)
-    except ValueError as exc:
-        refusal = str(exc)
-    server = carry(shm, raw, registered)
+    if padded:
+        try:
+            shm.migrate_to_shm_and_wrap(registered)
+        except ValueError as exc:
+            refusal = str(exc)
+        server = carry(shm, raw, registered)
+    else:
+        server = server_view(shm.migrate_to_shm_and_wrap(registered))
     ssm = states[1]
     out: dict[str, Any] = {"refusal": refusal}
     # The model computes a state into block 3 (through its bound view).
@@ -155,21 +176,26 @@ def cost(version: str, sizes_mib: list[int], reps: int) -> list[dict[str, Any]]:
 
 
 def inner(args: argparse.Namespace) -> int:
-    doc = {"version": args.version, "overlay": os.environ.get(INNER_ENV), "visibility": visibility(args.version),
+    doc = {"version": args.version, "overlay": os.environ.get(INNER_ENV),
+           "visibility": {"padded_0.30": visibility(args.version, True),
+                          "contiguous_0.27": visibility(args.version, False)},
            "migrate_cost": cost(args.version, args.sizes_mib, args.reps)}
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0
-    v = doc["visibility"]
     print(f"lmcache {args.version} ({doc['overlay']})")
-    print(f"refusal of the padded view: {v['refusal']}")
-    print("carried (storage migrated, registered view re-pointed):")
-    print(f"  model's state write visible in the server's mapping: {v['model_write_seen_by_server'][0]} "
-          f"(of one {v['model_write_seen_by_server'][1]}-byte state)")
-    print(f"  server's write visible through the model's views: {v['server_write_seen_by_model_bytes'][0]} "
-          f"of {v['server_write_seen_by_model_bytes'][1]} bytes")
-    print(f"  control, through the re-pointed registered view: {v['server_write_seen_by_registered_view_bytes'][0]} "
-          f"of {v['server_write_seen_by_registered_view_bytes'][1]} bytes")
+    print(f"refusal of the padded view: {doc['visibility']['padded_0.30']['refusal']}")
+    for name, what in (("padded_0.30", "vLLM 0.30+ padded view, carried (storage migrated, view re-pointed)"),
+                       ("contiguous_0.27", "vLLM 0.27-0.29 contiguous page, migrated as LMCache does today")):
+        v = doc["visibility"][name]
+        print(f"{what}:")
+        print(f"  model's state write visible in the server's mapping: {v['model_write_seen_by_server'][0]} "
+              f"(of one {v['model_write_seen_by_server'][1]}-byte state)")
+        print(f"  server's write visible through the model's views: {v['server_write_seen_by_model_bytes'][0]} "
+              f"of {v['server_write_seen_by_model_bytes'][1]} bytes")
+        print(f"  control, through the re-pointed registered view: "
+              f"{v['server_write_seen_by_registered_view_bytes'][0]} "
+              f"of {v['server_write_seen_by_registered_view_bytes'][1]} bytes")
     for row in doc["migrate_cost"]:
         print(f"migrate_to_shm_and_wrap, pool {row['pool_bytes'] / MIB:.0f} MiB: median {row['median_s']:.3f} s "
               f"({row['s_per_gib']:.2f} s/GiB, {row['reps']} reps)")
