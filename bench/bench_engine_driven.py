@@ -29,10 +29,18 @@ alternating which goes first.  Per mode and round:
 * untimed: the restored blocks are compared byte for byte with the source
   (``gate_client.check_restore``).
 
+Each round also times a plain ``memcpy`` (libc ``memmove``, one thread) of
+the same number of bytes between two warm buffers of this process: the floor
+of what any path that copies the bytes once can cost on this machine.  The
+1-minute load average is sampled before every round: the machine is shared,
+and the ratios depend on it (EXPLAINER 10.6).
+
 It prints, per mode, the bytes moved, the median store and retrieve s/GiB and
-their sum, and engine-driven / lmcache-driven ratios of the medians.  No
-timing is asserted; the exit code is 1 only if a store or retrieve failed or a
-restored byte was wrong, 2 on an infrastructure error.
+their sum, the memcpy floor in s/GiB, engine-driven / lmcache-driven ratios of
+the medians, each mode's medians over the floor, and the load (start, end,
+range over the rounds).  No timing is asserted; the exit code is 1 only if a
+store or retrieve failed or a restored byte was wrong, 2 on an infrastructure
+error.
 
 Run with any Python 3: it provisions the runtime venv and overlay
 (``scripts/provision.py``) and re-runs itself there::
@@ -42,7 +50,8 @@ Run with any Python 3: it provisions the runtime venv and overlay
     python3 bench/bench_engine_driven.py --rounds 7 --chunks 6 --json
 
 ``--build``: ``stacked`` (patches/hybrid-fa/V + patches/engine-driven/V, the
-default), ``hybrid-fa`` or ``pristine``.  A pristine or hybrid-fa build
+default), ``hybrid-fa`` or ``pristine``.  ``--overlay DIR`` runs an lmcache
+tree instead (a ``scripts/workspace.py`` workspace while authoring a part).  A pristine or hybrid-fa build
 refuses a hybrid preset in engine-driven mode (docs/design/engine-driven.md,
 section 3); pure-attn-k1 runs in both modes on every build.
 """
@@ -94,11 +103,17 @@ def outer(args: argparse.Namespace, argv: list[str]) -> int:
     sys.path.insert(0, str(REPO / "scripts"))
     import provision  # noqa: PLC0415
 
-    patches = build_patches(args.version, args.build)
+    patches = [] if args.overlay else build_patches(args.version, args.build)
     python = provision.runtime_env(args.version) / "bin" / "python"
-    overlay = provision.overlay(args.version, patches or None)
+    if args.overlay:
+        if not (args.overlay / "lmcache" / "__init__.py").is_file():
+            raise SystemExit(f"bench_engine_driven: --overlay {args.overlay}: no lmcache/__init__.py there")
+        overlay = args.overlay.resolve()
+    else:
+        overlay = provision.overlay(args.version, patches or None)
     env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}", NO_COLOR="1")
-    env[INNER_ENV] = json.dumps({"overlay": str(overlay), "patches": [str(p.relative_to(REPO)) for p in patches]})
+    env[INNER_ENV] = json.dumps({"overlay": str(overlay), "patches": [str(p.relative_to(REPO)) for p in patches],
+                                 "tree": bool(args.overlay)})
     return subprocess.run([str(python), str(Path(__file__).resolve()), *argv], env=env).returncode
 
 
@@ -215,7 +230,35 @@ class ModeRun:
         return None
 
 
-def summarise(runs: dict[str, ModeRun]) -> dict[str, Any]:
+class MemcpyFloor:
+    """A plain one-thread memcpy of ``nbytes`` between two warm buffers."""
+
+    def __init__(self, nbytes: int) -> None:
+        import ctypes  # noqa: PLC0415
+
+        self.nbytes = nbytes
+        self._src = bytearray(os.urandom(1 << 20) * max(1, -(-nbytes // (1 << 20))))[:nbytes]
+        self._dst = bytearray(nbytes)  # written once below: no page faults in the timed copies
+        self._memmove = ctypes.memmove
+        self._src_addr = ctypes.addressof((ctypes.c_char * nbytes).from_buffer(self._src))
+        self._dst_addr = ctypes.addressof((ctypes.c_char * nbytes).from_buffer(self._dst))
+        self.seconds: list[float] = []
+        self.copy()
+
+    def copy(self) -> float:
+        t0 = time.perf_counter()
+        self._memmove(self._dst_addr, self._src_addr, self.nbytes)
+        took = time.perf_counter() - t0
+        if self._dst[-1] != self._src[-1]:
+            raise RuntimeError("bench_engine_driven: memcpy floor: the copy did not land")
+        return took
+
+    def round(self) -> None:
+        """Three copies, keep the fastest (one round's floor)."""
+        self.seconds.append(min(self.copy() for _ in range(3)))
+
+
+def summarise(runs: dict[str, ModeRun], floor: MemcpyFloor, loads: list[float]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode, run in runs.items():
         rows = run.rows
@@ -236,6 +279,15 @@ def summarise(runs: dict[str, ModeRun]) -> dict[str, Any]:
     ed, ld = out["engine_driven"], out["lmcache_driven"]
     out["ratio_engine_to_lmcache"] = {
         k: ed[k] / ld[k] for k in ("store_s_per_gib", "retrieve_s_per_gib", "store_retrieve_s_per_gib")}
+    per_gib = [s / (floor.nbytes / GIB) for s in floor.seconds]
+    out["memcpy_floor"] = {"bytes": floor.nbytes, "s_per_gib": statistics.median(per_gib),
+                           "s_per_gib_range": [min(per_gib), max(per_gib)],
+                           "how": "libc memmove, one thread, two warm buffers of this process; fastest of 3 per round"}
+    out["ratio_to_memcpy_floor"] = {
+        mode: {k: out[mode][k] / out["memcpy_floor"]["s_per_gib"] for k in ("store_s_per_gib", "retrieve_s_per_gib")}
+        for mode in runs}
+    out["load_1m"] = {"start": loads[0], "end": loads[-1], "min": min(loads), "max": max(loads),
+                      "median": statistics.median(loads)}
     return out
 
 
@@ -297,8 +349,12 @@ def measure(args: argparse.Namespace, rg: Any, geometry: Any, procs: Any, geo: A
             rng = random.Random(args.seed)
             n_tok = args.chunks * chunk + geo.tokens_per_block // 2  # plus a partial chunk, never stored
             failures: list[str] = []
+            floor: MemcpyFloor | None = None
+            loads: list[float] = []
             for rnd in range(args.rounds + 1):
                 warm = rnd == 0
+                if not warm:
+                    loads.append(os.getloadavg()[0])
                 tokens = [rng.randrange(1, 150_000) for _ in range(n_tok)]
                 order = MODES if rnd % 2 == 0 else MODES[::-1]
                 for mode in order:
@@ -309,8 +365,14 @@ def measure(args: argparse.Namespace, rg: Any, geometry: Any, procs: Any, geo: A
                     say(f"  {'warm-up' if warm else f'round {rnd}'} {mode:14} store {row['store_s']:.3f} s, "
                         f"retrieve {row['retrieve_s']:.3f} s, {row['bytes'] / 2**20:.1f} MiB"
                         + (f"  PROBLEM: {problem}" if problem else ""))
+                if floor is None:  # as many bytes as the warm-up store moved
+                    floor = MemcpyFloor(max(1, int(row["bytes"])))
+                if not warm:
+                    floor.round()
+                    say(f"  round {rnd} memcpy floor  {floor.seconds[-1]:.4f} s, load {loads[-1]:.2f}")
                 if not server.alive():
                     raise RuntimeError(f"the server died:\n{server.log_tail()}")
+            loads.append(os.getloadavg()[0])
         finally:
             for run in runs.values():
                 run.client.close(graceful=server.alive())
@@ -320,15 +382,24 @@ def measure(args: argparse.Namespace, rg: Any, geometry: Any, procs: Any, geo: A
             "chunk_tokens": chunk, "chunks": args.chunks, "rounds": args.rounds,
             "server": "one lmcache server, --supported-transfer-mode auto, L1 only; a client per mode",
             "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
-            "failures": failures, **summarise(runs)}
+            "torch_threads": torch_threads(), "overlay_tree": bool(info.get("tree")),
+            "failures": failures, **summarise(runs, floor, loads)}
+
+
+def torch_threads() -> int:
+    import torch  # noqa: PLC0415 - the inner run has it
+
+    return torch.get_num_threads()
 
 
 def text_report(r: dict[str, Any]) -> str:
-    lines = [f"lmcache {r['lmcache']} {r['build']} ({len(r['patches'])} patches), preset {r['preset']} "
+    build = "tree given with --overlay" if r.get("overlay_tree") else f"{r['build']} ({len(r['patches'])} patches)"
+    lines = [f"lmcache {r['lmcache']} {build}, preset {r['preset']} "
              f"(k={r['k']}, {r['engine_groups']} engine groups), {r['chunks']} chunks of {r['chunk_tokens']} tokens "
              f"per request; {r['server']}",
-             f"medians of {r['rounds']} interleaved rounds (after 1 warm-up round per mode), "
-             f"{r['cpus']} CPUs, load {r['loadavg_1m']:.2f}:",
+             f"medians of {r['rounds']} interleaved rounds (after 1 warm-up round per mode), {r['cpus']} CPUs; "
+             f"1-min load {r['load_1m']['start']:.2f} at the start, {r['load_1m']['end']:.2f} at the end, "
+             f"{r['load_1m']['min']:.2f}-{r['load_1m']['max']:.2f} over the rounds:",
              f"  {'mode':15} {'bytes/request':>14} {'store s/GiB':>12} {'retrieve s/GiB':>15} "
              f"{'store+retr s/GiB':>17} {'store s':>8} {'retr s':>8}"]
     for mode in MODES:
@@ -336,10 +407,16 @@ def text_report(r: dict[str, Any]) -> str:
         lines.append(f"  {mode:15} {m['bytes_median']:>14,.0f} {m['store_s_per_gib']:12.3f} "
                      f"{m['retrieve_s_per_gib']:15.3f} {m['store_retrieve_s_per_gib']:17.3f} "
                      f"{m['store_s_median']:8.3f} {m['retrieve_s_median']:8.3f}")
+    f = r["memcpy_floor"]
+    lines.append(f"  {'memcpy floor':15} {f['bytes']:>14,.0f} {f['s_per_gib']:12.3f} {f['s_per_gib']:15.3f}"
+                 f"   (one copy, one thread: {f['s_per_gib_range'][0]:.3f}-{f['s_per_gib_range'][1]:.3f})")
     lines.append("  (store+retr: the median of each round's sum, not the sum of the two medians)")
     q = r["ratio_engine_to_lmcache"]
     lines.append(f"  engine-driven / lmcache-driven: store {q['store_s_per_gib']:.2f}x, "
                  f"retrieve {q['retrieve_s_per_gib']:.2f}x, store+retrieve {q['store_retrieve_s_per_gib']:.2f}x")
+    for mode in MODES:
+        x = r["ratio_to_memcpy_floor"][mode]
+        lines.append(f"  {mode} / memcpy floor: store {x['store_s_per_gib']:.1f}x, retrieve {x['retrieve_s_per_gib']:.1f}x")
     for mode in MODES:
         m = r[mode]
         lines.append(f"  {mode} ranges: store {m['store_s_per_gib_range'][0]:.3f}-{m['store_s_per_gib_range'][1]:.3f}"
@@ -358,6 +435,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--build", choices=BUILDS, default="stacked",
                     help="stacked: hybrid-fa + engine-driven (default); hybrid-fa; pristine")
     ap.add_argument("--preset", default="qwen35-0.8b", help="qwen35-0.8b (hybrid, k=17) or pure-attn-k1, ...")
+    ap.add_argument("--overlay", type=Path, metavar="DIR",
+                    help="run the lmcache tree in DIR (DIR/lmcache, e.g. a scripts/workspace.py workspace) "
+                         "instead of building --build's overlay")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chunks", type=int, default=4, help="full chunks per request (default 4)")
     ap.add_argument("--chunk-blocks", type=int, default=2, help="logical blocks per chunk (default 2)")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import shutil
 import sys
 import time
@@ -74,6 +75,8 @@ def _log(msg: str) -> None:
 def run_gate(version: str, overlay: Path, mode: str, keep: bool) -> dict:
     # The client (engine-driven worker) starts new memory as 0xA5, not zeros:
     # an object byte no transfer writes cannot match the other mode by chance.
+    # So do its shared-memory staging regions (revision 3), through the env.
+    os.environ.setdefault("LMCACHE_PATCHTOOL_STAGING_FILL", "0xA5")
     extra = ["--step-timeout", "30", "--transfer-mode", mode, "--client-malloc-perturb", "0x5A"] + \
         (["--keep-tmp"] if keep else [])
     return gate_report(version, overlay, PRESETS, *extra, who="engine_driven_evidence")

@@ -58,6 +58,10 @@ STACKED = "stacked"  # hybrid-fa + engine-driven
 # staging tail before part zero-window-tail) then differs from the
 # lmcache-driven server's every time, not only when the allocator reuses.
 CLIENT_PERTURB = ("--client-malloc-perturb", "0x5A")
+# Revision 3 gathers into a shared-memory staging region, not heap memory: a
+# new region then starts as this byte instead of zeros (posix_shm.
+# staging_fill_byte), so the same unwritten byte shows there too.
+STAGING_FILL = ("LMCACHE_PATCHTOOL_STAGING_FILL", "0xA5")
 MODE = ("--transfer-mode", "engine_driven")
 
 
@@ -73,7 +77,14 @@ def _stacked_versions() -> list[str]:
     return [v for v in VERSIONS if (REPO / "patches" / "engine-driven" / v / "manifest.json").exists()]
 
 
+# A tree to run as the stacked build instead (a workspace while authoring a
+# part, or a broken copy: the identity check must fail on it).
+STACKED_OVERLAY_ENV = "LMCACHE_PATCHTOOL_ED_GATE_OVERLAY"
+
+
 def _overlay(version: str, state: str) -> Path:
+    if state == STACKED and os.environ.get(STACKED_OVERLAY_ENV):
+        return Path(os.environ[STACKED_OVERLAY_ENV])
     if state == "pristine":
         return provision.overlay(version)
     if state == STACKED:
@@ -235,13 +246,14 @@ def _need(version: str | None) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", _stacked_rows(), ids=lambda v: v or "none-yet")
-def test_engine_driven_stacked_restores_every_preset_with_lmcache_driven_objects(version):
+def test_engine_driven_stacked_restores_every_preset_with_lmcache_driven_objects(version, monkeypatch):
     """Issue 15 items 2 and 4: with hybrid-fa + engine-driven every preset
     restores byte-exact in engine-driven mode, and the same request stored by
     the same build in either mode leaves the same fs L2 objects, name for
     name and byte for byte, so an operator can switch modes over a
     persistent tier."""
     version = _need(version)
+    monkeypatch.setenv(*STAGING_FILL)
     reports = {}
     try:
         # CI leaves out gdn-27b (a server pair of its own); FULL=1 and the evidence run it.

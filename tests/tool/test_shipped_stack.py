@@ -74,43 +74,47 @@ def test_apply_status_verify_crash_and_revert_the_shipped_stack(tmp_path, bare_e
     assert tree_hashes(site, SKIP) == pristine  # files and RECORD, byte for byte
 
 
-# Revision 2 appended one part (zero-window-tail: 03 on 0.5.3/0.5.5/0.5.6, 04
-# on 0.5.4); revision 1 is the shipped parts without it.
-ADDED_BY_TOP_R2 = "-zero-window-tail.patch"
+# Each revision appended one part: revision 2 zero-window-tail (03 on
+# 0.5.3/0.5.5/0.5.6, 04 on 0.5.4), revision 3 staging-regions (04; 05 on
+# 0.5.4).  Revision r is the shipped parts without those added after it.
+ADDED_BY_TOP = {2: "-zero-window-tail.patch", 3: "-staging-regions.patch"}
+SHIPPED_TOP_REVISION = max(ADDED_BY_TOP)
 
 
-def _upgrade_versions() -> list[str]:
-    """CI: 0.5.4 (the version whose new part is 04); LMCACHE_PATCHTOOL_FULL=1: all."""
+def _upgrade_cases() -> list[tuple[str, int]]:
+    """CI: 0.5.4 from revision 2 (the revision installs have today);
+    LMCACHE_PATCHTOOL_FULL=1: every version from every earlier revision."""
     have = _stacked_versions()
     if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1":
-        return have
-    return [v for v in have if v == "0.5.4"]
+        return [(v, r) for v in have for r in range(1, SHIPPED_TOP_REVISION)]
+    return [(v, SHIPPED_TOP_REVISION - 1) for v in have if v == "0.5.4"]
 
 
-@pytest.mark.parametrize("version", _upgrade_versions() or [None],
-                         ids=lambda v: "none-yet" if v is None else v)
-def test_engine_driven_revision1_install_upgrades_with_apply(tmp_path, bare_envs, version):
-    """An install stacked with engine-driven revision 1 (by the tool before
-    revision 2) is ``patched-older-revision`` for that set alone; verify
-    exits 9, ``apply --set engine-driven`` brings it to the shipped revision,
-    and revert still gives back the wheel's bytes."""
+@pytest.mark.parametrize("version,older", _upgrade_cases() or [(None, None)],
+                         ids=lambda v: "none-yet" if v is None else str(v))
+def test_engine_driven_older_revision_install_upgrades_with_apply(tmp_path, bare_envs, version, older):
+    """An install stacked with an earlier engine-driven revision (by the tool
+    before the shipped one) is ``patched-older-revision`` for that set alone;
+    verify exits 9, ``apply --set engine-driven`` brings it to the shipped
+    revision, and revert still gives back the wheel's bytes."""
     if version is None:
         pytest.skip("no patches/engine-driven/<version>/manifest.json committed yet")
     shipped = REPO / "patches" / TOP / version
     manifest = json.loads((shipped / "manifest.json").read_text())
-    assert manifest["revision"] == 2
-    root = tmp_path / "r1"
+    assert manifest["revision"] == SHIPPED_TOP_REVISION
+    root = tmp_path / f"r{older}"
     shutil.copytree(REPO / "patches" / BASE, root / BASE)
-    older = root / TOP / version
-    older.mkdir(parents=True)
+    older_dir = root / TOP / version
+    older_dir.mkdir(parents=True)
+    later = tuple(suffix for rev, suffix in ADDED_BY_TOP.items() if rev > older)
     for p in sorted(shipped.glob("*.patch")):
-        if not p.name.endswith(ADDED_BY_TOP_R2):
-            shutil.copy2(p, older / p.name)
-    r = cli("manifest", "build", str(older), "--wheel", str(provision.wheel(version)),
-            "--revision", "1", "--requires", BASE, "--json")
+        if not p.name.endswith(later):
+            shutil.copy2(p, older_dir / p.name)
+    r = cli("manifest", "build", str(older_dir), "--wheel", str(provision.wheel(version)),
+            "--revision", str(older), "--requires", BASE, "--json")
     assert r.rc == 0, r.err
-    built = json.loads((older / "manifest.json").read_text())
-    (prev,) = [p for p in manifest["previous_revisions"] if p["revision"] == 1]
+    built = json.loads((older_dir / "manifest.json").read_text())
+    (prev,) = [p for p in manifest["previous_revisions"] if p["revision"] == older]
     assert {p: f["post"] for p, f in built["files"].items()} == prev["files"]
 
     fresh = site_of(bare_envs[version])
@@ -122,6 +126,7 @@ def test_engine_driven_revision1_install_upgrades_with_apply(tmp_path, bare_envs
 
     st = cli("status", "--python", py, "--json").json["result"]
     assert _sets(st) == [(BASE, "patched"), (TOP, "patched-older-revision")], st["detail"]
+    assert f"patched with revision {older}" in st["detail"], st["detail"]
     assert st["next_command"] == f"patchtool apply --python {py} --set {TOP}"
     assert cli("verify", "--python", py).rc == 9
     r = cli("apply", "--python", py, "--set", TOP, "--json")
