@@ -333,14 +333,16 @@ def inventory(versions: tuple[str, ...] = VERSIONS) -> dict[str, dict[str, bool]
     from_stamp = {
         "bare": lambda v: envs / f"bare-lmcache-{v}",
         "runtime": lambda v: envs / f"runtime-lmcache-{v}-torch{TORCH_VERSION}",
-        # scripts/provision_vllm.py's layer (vLLM 0.27.1, or $LMCACHE_PATCHTOOL_VLLM)
-        "vllm-layer": lambda v: envs / f"vllm-{os.environ.get('LMCACHE_PATCHTOOL_VLLM', '').strip() or '0.27.1'}"
-                                       f"-layer-lmcache-{v}",
     }
     out = {"wheel": {v: any((root / "wheels" / f"lmcache-{v}").glob(f"lmcache-{v}-*.whl"))
                      for v in versions}}
     for kind, where in from_stamp.items():
         out[kind] = {v: (where(v) / STAMP).exists() for v in versions}
+    # scripts/provision_vllm.py's layer (vLLM 0.27.1, or $LMCACHE_PATCHTOOL_VLLM): one per vLLM
+    # version, probed once per lmcache version
+    layer = envs / f"vllm-{os.environ.get('LMCACHE_PATCHTOOL_VLLM', '').strip() or '0.27.1'}-layer"
+    out["vllm-layer"] = {v: (layer / STAMP).exists() and (layer / f".probed-lmcache-{v}").exists()
+                         for v in versions}
     return out
 
 

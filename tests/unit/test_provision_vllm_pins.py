@@ -68,7 +68,9 @@ def test_version_knob_defaults_to_0271(monkeypatch, tmp_path):
     monkeypatch.setenv("LMCACHE_PATCHTOOL_CACHE", str(tmp_path))
     monkeypatch.delenv(pv.VLLM_ENV, raising=False)
     assert pv.vllm_version() == "0.27.1"
-    assert pv.layer_path("0.5.3").name == "vllm-0.27.1-layer-lmcache-0.5.3"  # the path is unchanged
+    # one layer per vLLM version, shared by the lmcache versions (each probed once)
+    assert pv.layer_path("0.5.3").name == pv.layer_path("0.5.6").name == "vllm-0.27.1-layer"
+    assert pv.probe_stamp(pv.layer_path("0.5.3"), "0.5.3").name == ".probed-lmcache-0.5.3"
     monkeypatch.setenv(pv.VLLM_ENV, "0.28.0")
     assert pv.vllm_version() == "0.28.0" and pv.vllm_version("0.33.0") == "0.33.0"
-    assert pv.layer_path("0.5.6").name == "vllm-0.28.0-layer-lmcache-0.5.6"
+    assert pv.layer_path("0.5.6").name == "vllm-0.28.0-layer"
