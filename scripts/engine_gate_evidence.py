@@ -60,11 +60,16 @@ SCENARIOS: dict[str, dict] = {
     "hybrid-zeroed-objects": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK,
                               "args": ["--max-num-batched-tokens", "0"], "damage": "zero", "control": None,
                               "expect": "fail", "what": "negative control: every stored object zeroed"},
+    "hybrid-zeroed-state": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK,
+                            "args": ["--max-num-batched-tokens", "0"], "damage": "zero --group 0", "control": None,
+                            "expect": "fail",
+                            "what": "negative control: the stored GDN state (object group 0) zeroed, the "
+                                    "attention KV intact"},
     "hybrid-swapped-objects": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK,
-                               "args": ["--max-num-batched-tokens", "0"], "damage": "swap", "control": None,
-                               "expect": "fail",
-                               "what": "negative control: same-size objects of two chunks exchanged "
-                                       "(a real state restored at the wrong position)"},
+                               "args": ["--max-num-batched-tokens", "0"], "damage": "swap --group 1",
+                               "control": None, "expect": "fail",
+                               "what": "negative control: the attention objects of two chunks exchanged "
+                                       "(real KV restored at the wrong position)"},
     "attn-bs128": {"model": "attn", "version": "0.5.6", "sets": (), "control": None, "expect": "pass",
                    "args": ["--block-size", "128", "--vllm-block-size", "128"],
                    "what": "pure attention, pristine 0.5.6, block 128"},
@@ -72,7 +77,7 @@ SCENARIOS: dict[str, dict] = {
                    "args": ["--block-size", "256", "--vllm-block-size", "256"],
                    "what": "pure attention, pristine 0.5.6, block 256"},
 }
-DEFAULT = ("hybrid-multiblock", "hybrid-one-block", "hybrid-zeroed-objects", "attn-bs128")
+DEFAULT = ("hybrid-multiblock", "hybrid-one-block", "hybrid-zeroed-state", "hybrid-swapped-objects", "attn-bs128")
 
 
 def _log(msg: str) -> None:
@@ -126,7 +131,8 @@ def run(name: str, lengths: str, python: Path, keep: Path | None) -> dict:
         ctl = provision.overlay(spec["version"], series(spec["version"], spec["control"]) or None)
         args += ["--control-lmcache-overlay", str(ctl)]
     if spec.get("damage"):
-        args += ["--between-arms-cmd", f"{python} {DAMAGE} {spec['damage']} \"$GATE_L2_DIR\""]
+        mode, *extra = spec["damage"].split()
+        args += ["--between-arms-cmd", f"{python} {DAMAGE} {mode} \"$GATE_L2_DIR\" {' '.join(extra)}".strip()]
     work = Path(tempfile.mkdtemp(prefix=f"engine-gate-{name}-", dir=keep))
     out = work / "result.json"
     _log(f"{name}: {spec['what']} (work {work})")

