@@ -7,7 +7,7 @@ Builds a flat fs-L2-like tier (default 1,000,000 files; sizes are set with
 mixing plain, namespaced, unpatched (1/k),
 size-mismatched, never-read and salted objects plus some tmp/foreign files.
 Then, as fresh processes interleaved round by round (so load drift hits all
-equally), it times:
+equally; each round starts one command later), it times:
 
 * ``find DIR -type f | wc -l``: names only (getdents, no stat);
 * ``find DIR -type f -printf '%s %f\\n' | wc -l``: names and sizes, the same
@@ -150,8 +150,12 @@ def main() -> int:
             cmds["compare: l2 scan --names-only"] = ([*scan, "--names-only"], False, tree)
         times: dict[str, list[float]] = {k: [] for k in cmds}
         rss, scan_doc, names_doc = 0, None, None
-        for _ in range(args.rounds):
-            for k, (cmd, shell, tree) in cmds.items():
+        names = list(cmds)
+        for r in range(args.rounds):
+            # Each round starts one command later, so no command always runs
+            # right after the same one (cache state and load drift even out).
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                cmd, shell, tree = cmds[k]
                 dt, rc, maxrss, out = _run(cmd, shell, tree)
                 times[k].append(dt)
                 if "l2 scan" in k and rc not in SCAN_EXITS:
