@@ -45,8 +45,9 @@ Run by path in the target interpreter through ``verify/roundtrip.py``, e.g.::
 
 The JSON goes to stdout (LMCache's logging is moved to stderr); ``--out FILE``
 writes it to a file as well.  Each finished cell prints one progress line on
-stderr (``roundtrip: [3/7] FAIL <cell>: <reasons> (1.2 s)``).  Exit status: 0 when every cell ran (whether or not
-it passed -- pristine 0.5.3 is expected to fail), 2 on a harness error.
+stderr (``roundtrip: [3/7] FAIL <cell>: <reasons> (1.2 s)``).  Exit status: 0
+when every cell ran (whether or not it passed -- pristine 0.5.3 is expected to
+fail), 2 on a harness error.
 """
 
 from __future__ import annotations
@@ -982,9 +983,9 @@ def _table(doc: dict) -> str:
 
 def main(argv: list[str] | None = None, prepare: Callable[[], None] | None = None) -> int:
     """The CLI.  ``prepare`` runs after the arguments are checked and before
-    any cell: the drivers pass :func:`ports_compat.install`, which adapts the
-    harness to the lmcache it finds (and needs torch, so ``--help`` must not
-    reach it)."""
+    any cell: ``verify/roundtrip.py`` passes :func:`ports_compat.install`,
+    which adapts the harness to the lmcache it finds (and needs torch, so
+    ``--help`` must not reach it)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the JSON report on stdout")
     ap.add_argument("--out", help="also write the JSON report to this file")
