@@ -147,7 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--quarantine", metavar="DEST", help="move the flagged objects into DEST "
                     "(same filesystem; nothing is deleted)")
     ls.add_argument("--only", metavar="LIST", help="with --quarantine: the categories to move "
-                    "(never-read,unpatched,size-mismatch; default: all)")
+                    "(never-read,unpatched,size-mismatch,corrupt; default: all judged)")
+    ls.add_argument("--verify", action="store_true", help="also read every object the reader "
+                    "reads and check its checksum trailer (hybrid-fa revision 4+): objects that "
+                    "fail are flagged corrupt; needs blake3 here or in the --python target")
     ls.add_argument("--names-only", action="store_true", help="read names only, no lstat "
                     "(about find -type f's cost): judges never-read alone")
     ls.add_argument("--expect-size", action="append", metavar="SET=SIZE",
@@ -442,6 +445,8 @@ def cmd_l2(args) -> int:
             render_restore(res, ExitCode.OK)
         return int(ExitCode.OK)
     only, expect = l2command.parse_only(args.only), l2command.parse_expect(args.expect_size)
+    verified_with: list[str] = []
+    target_python = None
     if args.assume is not None:
         if args.python or args.site_packages:
             raise Refusal("--assume", "give --assume or a target (--python/--site-packages), "
@@ -454,9 +459,18 @@ def cmd_l2(args) -> int:
         with _session(args, writes=False) as (disc, pset, _, layers):
             st = classify(disc, pset, set_name=args.set_name, stack=layers)
         reader = l2reader.reader_for(st, l2_format(layers) if pset else None)
+        target_python = disc.python if disc.python != sys.executable else None
+    check = None
+    if args.verify:
+        from .l2verify import checker
+
+        check = checker(Path(args.dir), None if args.assume is not None else target_python,
+                        verified_with)
     res = l2command.run_scan(Path(args.dir), reader,
                              Path(args.quarantine) if args.quarantine else None, only,
-                             sizes=not args.names_only, expect=expect)
+                             sizes=not args.names_only, expect=expect, check=check)
+    if res.verify is not None and verified_with:
+        res.verify.checked_with = verified_with[0]
     code = l2command.scan_exit_code(res)
     if args.json:
         output.emit_json("l2 scan", res, code)

@@ -23,8 +23,9 @@ from .exitcodes import ExitCode
 from .l2names import PREFIX_RE
 from .l2quarantine import QuarantineResult, check_dest, quarantine
 from .l2reader import TierReader
-from .l2rules import CATEGORIES, EXPECT_OPTION, NEVER_READ, Expectations
-from .l2scan import FinalState, ScanResult, as_final, final_state, scan
+from .l2rules import CATEGORIES, CORRUPT, EXPECT_OPTION, NEVER_READ, Expectations
+from .l2scan import FinalState, ScanResult, as_final, final_state, judged, scan
+from .l2verify import Checker
 
 
 @dataclass
@@ -67,11 +68,18 @@ def parse_expect(values: list[str] | None) -> Expectations:
 
 def run_scan(path: Path, reader: TierReader, dest: Path | None = None,
              only: list[str] | None = None, sizes: bool = True,
-             expect: Expectations | None = None) -> ScanReport:
-    """``l2 scan``; ``sizes=False`` is ``--names-only``."""
+             expect: Expectations | None = None, check: Checker | None = None) -> ScanReport:
+    """``l2 scan``; ``sizes=False`` is ``--names-only``; ``check`` is
+    ``--verify`` (``patchtool.l2verify.checker``)."""
     expect = expect or {}
     if only is not None and dest is None:
         raise Refusal("--only", "applies only to --quarantine", ExitCode.USAGE)
+    if check is not None and not sizes:
+        raise Refusal("--verify", "reads every object's content; --names-only reads names only: "
+                      "give one of them", ExitCode.USAGE)
+    if only and CORRUPT in only and check is None:
+        raise Refusal("--only", f"{CORRUPT} is judged by --verify (content): add --verify",
+                      ExitCode.USAGE)
     if not sizes and only and set(only) - {NEVER_READ}:
         raise Refusal("--only", f"--names-only judges {NEVER_READ} only (the other categories "
                       "are decided by sizes): drop --names-only or choose --only never-read",
@@ -80,15 +88,15 @@ def run_scan(path: Path, reader: TierReader, dest: Path | None = None,
         raise Refusal(EXPECT_OPTION, "needs sizes, which --names-only does not read",
                       ExitCode.USAGE)
     create = check_dest(path, dest) if dest is not None else False
-    res, plan = scan(path, reader, sizes, expect)
+    res, plan = scan(path, reader, sizes, expect, check)
     report = ScanReport(**{f.name: getattr(res, f.name) for f in dataclasses.fields(res)})
     if dest is None:
         report.final = as_final(res)
     else:
         if only is None:
-            only = list(CATEGORIES) if sizes else [NEVER_READ]
+            only = list(judged(sizes, check is not None)) if sizes else [NEVER_READ]
         report.quarantine, ran = quarantine(path, dest, plan, only, reader, expect, create)
-        report.final = final_state(path, reader, sizes, expect, [plan, ran])
+        report.final = final_state(path, reader, sizes, expect, [plan, ran], check)
     report.remaining_flagged = report.final.flagged_objects
     return report
 

@@ -154,7 +154,7 @@ def quarantine(src: Path, dest: Path, plan: Plan, only: list[str], reader: TierR
         todo, run = Plan.from_records(plan.records(only)), os.urandom(6).hex()
     res = QuarantineResult(str(dest), str(journal.path), only, None, open_run is not None, 0,
                            0, {c: 0 for c in only}, 0, [], 0)
-    if not todo.sets:
+    if not todo.sets and not todo.names:
         return res, todo  # nothing selected: nothing written, not even DEST
     res.run = run
     if create:
@@ -193,13 +193,13 @@ def _one_pass(src: Path, dest: Path, journal: Journal, run: str, todo: Plan,
             if m is None or name in refused or not entry.is_file(follow_symlinks=False):
                 continue
             prefix = name[:m.end(3)]
-            if prefix not in todo.sets:
+            if prefix not in todo.sets and name not in todo.names:
                 continue
             try:
                 size = entry.stat(follow_symlinks=False).st_size
             except FileNotFoundError:
                 continue
-            sel = todo.select(prefix, size)
+            sel = todo.select(prefix, size, name)
             if sel is None:
                 continue
             batch.append((name, size, sel[0]))

@@ -15,9 +15,10 @@ from rich.markup import escape
 
 from .l2command import ScanReport
 from .l2restore import RestoreResult
-from .l2rules import EXPECT_OPTION, NEVER_READ, SIZE_MISMATCH, UNPATCHED, Flag, ObjectSet
+from .l2rules import CORRUPT, EXPECT_OPTION, NEVER_READ, SIZE_MISMATCH, UNPATCHED, Flag, ObjectSet
 
 _SHOWN = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+CORRUPT_LISTED = 100  # corrupt objects named one per line; --json lists all
 
 
 def shown(text: str) -> str:
@@ -62,6 +63,7 @@ def render_scan(res: ScanReport, code: int) -> None:
     for c, tot in res.flagged.items():
         if tot.objects:
             con.print(f"[red]{c:<13}[/]: {tot.objects} object(s), {_size(tot.bytes)}")
+    _verify_lines(con, res)
     for s in res.sets:
         if s.ambiguous:
             con.print(_ambiguous_line(s))
@@ -70,6 +72,19 @@ def render_scan(res: ScanReport, code: int) -> None:
         con.print(f"foreign{more:<5}: " + ", ".join(shown(n) for n in res.foreign_names))
     _quarantine_lines(con, res)
     _verdict(con, res, code)
+
+
+def _verify_lines(con: Console, res: ScanReport) -> None:
+    v = res.verify
+    if v is None:
+        return
+    counts = ", ".join(f"{k} {n}" for k, n in sorted(v.verdicts.items())) or "none"
+    con.print(f"verified    : {v.checked} object(s) read and checked ({counts})"
+              + (f"; {shown(v.checked_with)}" if v.checked_with else ""))
+    for name in v.corrupt_names[:CORRUPT_LISTED]:
+        con.print(f"  [red]{CORRUPT}[/] {shown(name)}: {shown(v.details.get(name, ''))}")
+    if len(v.corrupt_names) > CORRUPT_LISTED:
+        con.print(f"  ... and {len(v.corrupt_names) - CORRUPT_LISTED} more (--json lists all)")
 
 
 def _set_line(s: ObjectSet, sizes_read: bool) -> str:
@@ -138,6 +153,9 @@ def _flag(f: Flag) -> str:
         if f.reference_size is None:
             return f"{f.category}: {n} (empty: no layout's size, a miss for every reader)"
         return f"{f.category}: {n}, expected {f.reference_size} B"
+    if f.category == CORRUPT:
+        return f"{f.category}: {n} whose checksum trailer does not match (not what was stored " \
+               "under the name)"
     return f"{f.category}: {n}"
 
 

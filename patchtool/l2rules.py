@@ -24,26 +24,40 @@ Categories (each flagged object gets exactly one, in this order):
 * ``size-mismatch``: an empty object (no layout's size: a miss for every
   reader), and, where the operator named the size the reader writes for the
   set (``--expect-size SET=SIZE``), every other size.
+* ``corrupt`` (``--verify`` only, ``patchtool.l2verify``): an object whose
+  checksum trailer does not match its bytes and its name: not what was
+  stored under that key.  Judged per object, by content, for the objects the
+  rules above leave unflagged.
+
+Checksum trailers (hybrid-fa part 12-l2-checksum) make a patched build's
+file :data:`~patchtool.l2checksum.TRAILER_LEN` bytes longer than the KV
+bytes it holds, which a pristine reader reads (a longer file fills its
+buffer from the front).  So for the sizes, ``S`` and ``S + TRAILER_LEN`` are
+one layout: not two sizes of an ambiguous set, and either one matches an
+``--expect-size`` of ``S``; and a 1/k object divides a namespaced size with
+or without its trailer.
 
 A set that, after these, still holds more than one size is **ambiguous**:
 nothing in it is flagged, it is reported with its sizes, the command exits
 non-zero (``L2_AMBIGUOUS``) and a quarantine moves none of it.
 
 A new category goes into :data:`CATEGORIES` (its place is its precedence)
-and into :func:`_judge`; a per-object check (a content checksum, say) would
-select objects by name, which :meth:`Plan.select` is the one place to add.
+and into :func:`_judge`, or, for a per-object check, into
+``patchtool.l2verify`` (it selects objects by name: :attr:`Plan.names`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .l2checksum import TRAILER_LEN
 from .l2names import SetKey, prefix_key
 from .l2reader import TierReader
 from .l2tally import UNKNOWN_SIZE, Tally
 
 NEVER_READ, UNPATCHED, SIZE_MISMATCH = "never-read", "unpatched", "size-mismatch"
-CATEGORIES = (NEVER_READ, UNPATCHED, SIZE_MISMATCH)
+CORRUPT = "corrupt"
+CATEGORIES = (NEVER_READ, UNPATCHED, SIZE_MISMATCH, CORRUPT)
 EXPECT_OPTION = "--expect-size"
 
 # The operator's evidence: set prefix -> the size the reader writes for it.
@@ -91,24 +105,44 @@ class Plan:
     may have moved meanwhile."""
 
     sets: dict[str, dict[int | None, Selector]] = field(default_factory=dict)
+    # Objects selected one by one (``--verify``): name -> (the size it had
+    # when judged, selector).  A file of that name and another size is a
+    # new object (the server rewrote the key): not selected.
+    names: dict[str, tuple[int, Selector]] = field(default_factory=dict)
 
-    def select(self, prefix: str, size: int) -> Selector | None:
+    def select(self, prefix: str, size: int, name: str | None = None) -> Selector | None:
         by = self.sets.get(prefix)
-        if by is None:
-            return None
-        return by.get(None) or by.get(size)
+        if by is not None:
+            sel = by.get(None) or by.get(size)
+            if sel is not None:
+                return sel
+        if name is not None:
+            one = self.names.get(name)
+            if one is not None and one[0] == size:
+                return one[1]
+        return None
 
     def records(self, only: list[str] | None = None) -> list[list]:
-        """``[[prefix, size, category, k], ...]``, sorted: the journal's form."""
+        """``[[prefix, size, category, k], ...]`` for sets, then
+        ``[prefix, size, category, k, name]`` per named object, sorted: the
+        journal's form."""
         rows = [[p, s, c, k] for p, by in self.sets.items() for s, (c, k) in by.items()
                 if only is None or c in only]
-        return sorted(rows, key=lambda r: (r[0], -1 if r[1] is None else r[1]))
+        rows.sort(key=lambda r: (r[0], -1 if r[1] is None else r[1]))
+        named = [[n[:n.index("@", n.index("@", n.index("@") + 1) + 1)], s, c, k, n]
+                 for n, (s, (c, k)) in self.names.items() if only is None or c in only]
+        return rows + sorted(named, key=lambda r: r[4])
 
     @classmethod
     def from_records(cls, rows: list[list]) -> "Plan":
         plan = cls()
-        for p, s, c, k in rows:
-            plan.sets.setdefault(p, {})[s] = (c, k)
+        for row in rows:
+            if len(row) == 5:
+                p, s, c, k, n = row
+                plan.names[n] = (s, (c, k))
+            else:
+                p, s, c, k = row
+                plan.sets.setdefault(p, {})[s] = (c, k)
         return plan
 
 
@@ -154,11 +188,36 @@ def _namespaced_sizes(t: Tally, keys: dict[str, SetKey]) -> dict[tuple, list[tup
     so it is no evidence for anything else."""
     refs: dict[tuple, list[tuple[str, int]]] = {}
     for p, k in keys.items():
-        sizes = [s for s in t.sets[p] if s > 0]  # an empty object is nobody's layout
+        # an empty object is nobody's layout; S and S + trailer are one layout
+        sizes = _layouts([s for s in t.sets[p] if s > 0])
         if k.namespace and len(sizes) == 1:
             refs.setdefault((k.model, k.kv_rank, k.object_group), []).append(
-                (k.namespace, sizes[0]))
+                (k.namespace, max(sizes[0])))
     return refs
+
+
+def _layouts(sizes: list[int]) -> list[list[int]]:
+    """Sizes grouped into layouts: ``S`` and ``S + TRAILER_LEN`` (the same
+    KV bytes without and with a checksum trailer) are one."""
+    out: list[list[int]] = []
+    for s in sorted(sizes):
+        if out and s - out[-1][0] == TRAILER_LEN and len(out[-1]) == 1:
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
+
+
+def _divides(ref: int, s: int) -> int | None:
+    """k when ``s`` is 1/k (k > 1) of the KV bytes of a namespaced object of
+    ``ref`` bytes: without a trailer, or with one (``s`` then must exceed the
+    trailer: a divisor of both would divide the trailer length)."""
+    if s < ref and ref % s == 0:
+        return ref // s
+    kv = ref - TRAILER_LEN
+    if TRAILER_LEN < s < kv and kv % s == 0:
+        return kv // s
+    return None
 
 
 def _judge(row: ObjectSet, k: SetKey, hist: dict[int, list], reader: TierReader,
@@ -167,6 +226,8 @@ def _judge(row: ObjectSet, k: SetKey, hist: dict[int, list], reader: TierReader,
     is left cannot be decided.  ``expected`` (the operator's size) is never
     flagged: it is what the reader serves."""
     rest = dict(hist)
+    # The reader's own sizes: the operator's, with or without a trailer.
+    mine_sizes = () if expected is None else (expected, expected + TRAILER_LEN)
     if expected is not None:
         row.expected_size, row.expected_from = expected, EXPECT_OPTION
     if 0 in rest:
@@ -177,20 +238,21 @@ def _judge(row: ObjectSet, k: SetKey, hist: dict[int, list], reader: TierReader,
         mine = f"kvl{reader.layout_format}-"
         ordered = sorted(refs, key=lambda r: (not r[0].startswith(mine), r[0]))
         for s in sorted(rest):
-            if s == expected:
+            if s in mine_sizes:
                 continue
             for ns, ref in ordered:
-                if s < ref and ref % s == 0:
+                k_div = _divides(ref, s)
+                if k_div is not None:
                     b = rest.pop(s)
                     row.flagged.append(Flag(UNPATCHED, s, b[0], s * b[0], b[1], ref,
-                                            ref // s, ns))
+                                            k_div, ns))
                     break
     if expected is not None:
         for s in sorted(rest):
-            if s != expected:
+            if s not in mine_sizes:
                 b = rest[s]
                 row.flagged.append(Flag(SIZE_MISMATCH, s, b[0], s * b[0], b[1], expected))
-    elif len(rest) > 1:
+    elif len(_layouts(list(rest))) > 1:
         row.ambiguous = True
     row.flagged.sort(key=lambda f: (CATEGORIES.index(f.category), f.size))
 

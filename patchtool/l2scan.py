@@ -10,8 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .l2reader import TierReader
-from .l2rules import CATEGORIES, Expectations, ObjectSet, Plan, categorize
+from .l2rules import CATEGORIES, CORRUPT, Expectations, ObjectSet, Plan, categorize
 from .l2tally import UNKNOWN_SIZE, Tally, tally
+from .l2verify import Checker, VerifyResult, verify
+
+
+def judged(sizes: bool, verified: bool) -> tuple[str, ...]:
+    """The categories a scan reports: ``corrupt`` only with ``--verify``."""
+    return CATEGORIES if verified else tuple(c for c in CATEGORIES if c != CORRUPT)
 
 
 @dataclass
@@ -40,6 +46,9 @@ class ScanResult:
     flagged_bytes: int | None
     ambiguous_sets: int
     ambiguous_objects: int
+    # --verify: every object the reader reads and the size rules leave
+    # unflagged was read and its checksum trailer checked (None: not asked).
+    verify: VerifyResult | None = None
 
 
 @dataclass
@@ -56,16 +65,17 @@ class FinalState:
 
 
 def scan(path: Path, reader: TierReader, sizes: bool = True,
-         expect: Expectations | None = None) -> tuple[ScanResult, Plan]:
-    res, plan, _ = _scan(path, reader, sizes, expect or {})
+         expect: Expectations | None = None, check: Checker | None = None) -> tuple[ScanResult, Plan]:
+    res, plan, _ = _scan(path, reader, sizes, expect or {}, check)
     return res, plan
 
 
-def _scan(path: Path, reader: TierReader, sizes: bool,
-          expect: Expectations) -> tuple[ScanResult, Plan, Tally]:
+def _scan(path: Path, reader: TierReader, sizes: bool, expect: Expectations,
+          check: Checker | None = None) -> tuple[ScanResult, Plan, Tally]:
     t = tally(path, sizes)
     sets, plan = categorize(t, reader, expect)
-    flagged = {c: Total(bytes=0 if sizes else None) for c in CATEGORIES}
+    checked = verify(path, reader, sets, plan, check) if check is not None else None
+    flagged = {c: Total(bytes=0 if sizes else None) for c in judged(sizes, check is not None)}
     for s in sets:
         for f in s.flagged:
             flagged[f.category].objects += f.objects
@@ -78,7 +88,7 @@ def _scan(path: Path, reader: TierReader, sizes: bool,
         t.foreign_names, t.vanished, dict(expect), sorted(set(expect) - set(t.sets)), sets,
         flagged, sum(v.objects for v in flagged.values()),
         sum(v.bytes for v in flagged.values()) if sizes else None,
-        len(ambiguous), sum(s.objects for s in ambiguous))
+        len(ambiguous), sum(s.objects for s in ambiguous), checked)
     return res, plan, t
 
 
@@ -94,13 +104,14 @@ def as_final(res: ScanResult) -> FinalState:
 
 
 def final_state(path: Path, reader: TierReader, sizes: bool, expect: Expectations,
-                plans: list[Plan]) -> FinalState:
+                plans: list[Plan], check: Checker | None = None) -> FinalState:
     """Re-scan DIR after a quarantine.  An object counts as flagged if the
     fresh judgement flags it (objects stored while the command ran) or any
     plan of the run selected it (objects ``--only`` left out, a name
-    collision refused, or ones whose evidence the run itself moved away)."""
-    res, fresh, t = _scan(path, reader, sizes, expect)
-    flagged = {c: Total(bytes=0 if sizes else None) for c in CATEGORIES}
+    collision refused, or ones whose evidence the run itself moved away).
+    With ``check`` the re-scan verifies again (what is left is read anew)."""
+    res, fresh, t = _scan(path, reader, sizes, expect, check)
+    flagged = {c: Total(bytes=0 if sizes else None) for c in judged(sizes, check is not None)}
     examples: dict[str, str] = {}
     for p, hist in t.sets.items():
         for size, (n, example) in hist.items():
@@ -113,5 +124,22 @@ def final_state(path: Path, reader: TierReader, sizes: bool, expect: Expectation
                 tot.bytes += size * n
             if sel[0] not in examples or example < examples[sel[0]]:
                 examples[sel[0]] = example
+    # Objects selected by name (corrupt): each one still in DIR with the size
+    # it was judged at, once.
+    named: dict[str, tuple[int, tuple]] = {}
+    for pl in [fresh, *plans]:
+        for n, one in pl.names.items():
+            named.setdefault(n, one)
+    for n, (size, (cat, _k)) in sorted(named.items()):
+        try:
+            if (path / n).stat().st_size != size:
+                continue
+        except FileNotFoundError:
+            continue
+        tot = flagged.setdefault(cat, Total(bytes=0 if sizes else None))
+        tot.objects += 1
+        if sizes:
+            tot.bytes += size
+        examples.setdefault(cat, n)
     return FinalState(True, res.objects, flagged, sum(v.objects for v in flagged.values()),
                       examples, res.ambiguous_sets)

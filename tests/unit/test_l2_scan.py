@@ -120,8 +120,9 @@ def test_scan_categories_for_a_kvl1_reader(tier):
     assert set(res) == {"dir", "reader", "sizes_read", "objects", "bytes", "tmp_files",
                         "subdirs", "foreign", "foreign_names", "vanished", "expect_size",
                         "expect_size_unmatched", "sets", "flagged", "flagged_objects",
-                        "flagged_bytes", "ambiguous_sets", "ambiguous_objects", "quarantine",
-                        "final", "remaining_flagged"}
+                        "flagged_bytes", "ambiguous_sets", "ambiguous_objects", "verify",
+                        "quarantine", "final", "remaining_flagged"}
+    assert res["verify"] is None  # no --verify: no content read
     assert res["reader"] == {"layout_format": 1, "source": "assume",
                              "detail": "--assume kvl1: reads plain names and +kvl1-* names",
                              "identity": {"assume": "kvl1"}}

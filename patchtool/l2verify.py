@@ -1,0 +1,117 @@
+"""``l2 scan --verify``: the ``corrupt`` category, judged per object by content.
+
+After the size rules (``patchtool.l2rules``), every object the reader reads
+and the rules leave unflagged is read whole and its checksum trailer checked
+(``patchtool.l2checksum``).  Flagged ``corrupt``:
+
+* an object whose trailer does not match its bytes and its name (bit rot, a
+  torn or cut copy, an object renamed, swapped or copied under another key);
+* an object without a valid trailer whose size is the size of verified
+  objects of its set: a trailer-format object damaged at its end (the KV
+  bytes of the same layout without a trailer are ``TRAILER_LEN`` shorter).
+
+Not flagged, only counted: objects without a trailer (a build without the
+check wrote them; a checking reader refuses them and its next store rewrites
+them, a pristine reader cannot check them), trailers of an unknown version,
+and objects that vanished while checked (a live tier).
+
+Names are listed by a second ``scandir`` pass (the first keeps no per-file
+state), only in this mode, which reads every byte anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import l2checksum as ck
+from .l2names import OBJECT_RE, prefix_key
+from .l2reader import TierReader
+from .l2rules import CORRUPT, Flag, ObjectSet, Plan
+from .l2tally import dir_entries
+
+# names -> {name: (verdict, detail)}; l2checksum.check bound to DIR and the target
+Checker = Callable[[list[str]], dict[str, tuple[str, str]]]
+
+
+@dataclass
+class VerifyResult:
+    checked: int = 0  # objects read and checked
+    # l2checksum verdict -> objects; a trailer-less object of a verified size counts as corrupt
+    verdicts: dict[str, int] = field(default_factory=dict)
+    corrupt_names: list[str] = field(default_factory=list)  # sorted, every one
+    details: dict[str, str] = field(default_factory=dict)  # corrupt name -> why
+    checked_with: str = ""
+
+
+def candidates(path: Path, reader: TierReader, plan: Plan) -> dict[str, tuple[str, int]]:
+    """name -> (set prefix, size) of every object the reader reads that the
+    size rules did not flag."""
+    out: dict[str, tuple[str, int]] = {}
+    readable: dict[str, bool] = {}
+    match = OBJECT_RE.fullmatch
+    with dir_entries(path) as it:
+        for entry in it:
+            m = match(entry.name)
+            if m is None or not entry.is_file(follow_symlinks=False):
+                continue
+            prefix = entry.name[:m.end(3)]
+            ok = readable.get(prefix)
+            if ok is None:
+                ok = readable[prefix] = reader.reads(prefix_key(prefix))
+            if not ok:
+                continue
+            try:
+                size = entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+            if plan.select(prefix, size) is None:
+                out[entry.name] = (prefix, size)
+    return out
+
+
+def verify(path: Path, reader: TierReader, sets: list[ObjectSet], plan: Plan,
+           check: Checker) -> VerifyResult:
+    """Check every candidate; add ``corrupt`` flags to ``sets`` and their
+    names to ``plan``."""
+    todo = candidates(path, reader, plan)
+    verdicts = check(sorted(todo))
+    res = VerifyResult(checked=len(verdicts))
+    verified_sizes: dict[str, set[int]] = {}
+    for name, (v, _) in verdicts.items():
+        res.verdicts[v] = res.verdicts.get(v, 0) + 1
+        if v == ck.OK:
+            verified_sizes.setdefault(todo[name][0], set()).add(todo[name][1])
+    corrupt: dict[str, str] = {}
+    for name, (v, detail) in verdicts.items():
+        prefix, size = todo[name]
+        if v == ck.CORRUPT:
+            corrupt[name] = detail
+        elif v == ck.NO_TRAILER and size in verified_sizes.get(prefix, ()):
+            corrupt[name] = (f"no valid trailer, yet {size} B is the size of its set's verified "
+                             "objects (a trailer-format object damaged at its end)")
+            res.verdicts[ck.NO_TRAILER] -= 1  # counted as what it is
+            res.verdicts[ck.CORRUPT] = res.verdicts.get(ck.CORRUPT, 0) + 1
+    res.verdicts = {k: n for k, n in sorted(res.verdicts.items()) if n}
+    by_set = {s.set: s for s in sets}
+    grouped: dict[tuple[str, int], list[str]] = {}
+    for name in corrupt:
+        grouped.setdefault(todo[name], []).append(name)
+    for (prefix, size), names in sorted(grouped.items()):
+        names.sort()
+        by_set[prefix].flagged.append(Flag(CORRUPT, size, len(names), size * len(names), names[0], None))
+        for n in names:
+            plan.names[n] = (size, (CORRUPT, None))
+    res.corrupt_names = sorted(corrupt)
+    res.details = {n: corrupt[n] for n in res.corrupt_names}
+    return res
+
+
+def checker(path: Path, python: str | None, where: list[str]) -> Checker:
+    """A :data:`Checker` for DIR; ``where`` receives where it ran."""
+    def run(names: list[str]) -> dict[str, tuple[str, str]]:
+        out, how = ck.check(path, names, python)
+        where.append(how)
+        return out
+    return run
