@@ -70,6 +70,16 @@ SCENARIOS: dict[str, dict] = {
                                "control": None, "expect": "fail",
                                "what": "negative control: the attention objects of two chunks exchanged "
                                        "(real KV restored at the wrong position)"},
+    "hybrid-wrong-state": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK,
+                           "args": ["--max-num-batched-tokens", "0"], "damage": "zero --group 0 --resign",
+                           "control": None, "expect": "fail",
+                           "what": "negative control: the stored GDN state zeroed and its checksum trailer "
+                                   "re-signed, so LMCache serves it: a wrong-state restore the answer must show"},
+    "hybrid-swapped-resigned": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK,
+                                "args": ["--max-num-batched-tokens", "0"], "damage": "swap --group 1 --resign",
+                                "control": None, "expect": "fail",
+                                "what": "negative control: the attention KV of two chunks exchanged and "
+                                        "re-signed: real KV served at the wrong position"},
     "attn-bs128": {"model": "attn", "version": "0.5.6", "sets": (), "control": None, "expect": "pass",
                    "args": ["--block-size", "128", "--vllm-block-size", "128"],
                    "what": "pure attention, pristine 0.5.6, block 128"},
@@ -77,7 +87,8 @@ SCENARIOS: dict[str, dict] = {
                    "args": ["--block-size", "256", "--vllm-block-size", "256"],
                    "what": "pure attention, pristine 0.5.6, block 256"},
 }
-DEFAULT = ("hybrid-multiblock", "hybrid-one-block", "hybrid-zeroed-state", "hybrid-swapped-objects", "attn-bs128")
+DEFAULT = ("hybrid-multiblock", "hybrid-one-block", "hybrid-zeroed-state", "hybrid-wrong-state",
+           "hybrid-swapped-resigned", "attn-bs128")
 
 
 def _log(msg: str) -> None:

@@ -49,18 +49,23 @@ def test_stacked_056_hybrid_multiblock_kill_restart(tmp_path, engine_python, hyb
 
 
 @full_only
-@pytest.mark.parametrize("damage", ["zero", "zero --group 0", "swap --group 1", "flip --group 1"])
-def test_damaged_tier_fails(tmp_path, engine_python, hybrid_model, damage):
-    """Negative controls: every stored object zeroed; only the GDN state zeroed (a wrong state under
-    intact attention KV); the attention objects of two chunks exchanged (real KV at the wrong
-    position); one bit-rotted byte per attention object: each must make the gate fail."""
+@pytest.mark.parametrize("damage,failing", [
+    ("zero --group 0", "external_hits"),  # the checksum trailer turns a damaged object into a miss
+    ("zero --group 0 --resign", "restore_matches_warm"),  # a wrong GDN state, served
+    ("swap --group 1 --resign", "restore_matches_warm"),  # real attention KV at the wrong position
+    ("flip --group 1 --resign", "restore_matches_warm"),  # one rotten byte per attention object
+])
+def test_damaged_tier_fails(tmp_path, engine_python, hybrid_model, damage, failing):
+    """Negative controls between the store and the restore arm: each must make the gate fail.  With
+    --resign the checksum trailer is rewritten so that LMCache serves the wrong bytes and the
+    verdict has to see them in the answer (greedy tokens and logprobs against the reference)."""
     mode, *extra = damage.split()
     cmd = f"{engine_python} {DAMAGE} {mode} \"$GATE_L2_DIR\" {' '.join(extra)}"
-    rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k",
+    rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k", "--no-cold-arm",
                                "--max-num-batched-tokens", "0", "--between-arms-cmd", cmd,
                                "--lmcache-overlay", str(overlay("0.5.6", STACK)))
     assert rc == 20 and result["verdict"]["status"] == "fail", (result.get("verdict"), err[-2000:])
-    assert any(r.startswith("restore_matches_warm") for r in result["verdict"]["reasons"]), result["verdict"]
+    assert any(r.startswith(failing) for r in result["verdict"]["reasons"]), result["verdict"]["reasons"]
 
 
 @full_only
