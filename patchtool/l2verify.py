@@ -8,7 +8,15 @@ and the rules leave unflagged is read whole and its checksum trailer checked
   torn or cut copy, an object renamed, swapped or copied under another key);
 * an object without a valid trailer whose size is the size of verified
   objects of its set: a trailer-format object damaged at its end (the KV
-  bytes of the same layout without a trailer are ``TRAILER_LEN`` shorter).
+  bytes of the same layout without a trailer are ``TRAILER_LEN`` shorter);
+* in a namespaced set (one layout by construction: only patched builds write
+  those names) whose verified objects hold ``K`` KV bytes, an object without
+  a trailer of any size but ``K`` (an earlier revision's object of the same
+  layout): cut short, or padded.  Its set is then not ambiguous: the
+  verified trailers are the evidence of the reader's size.  A plain set gets
+  no such rule: other builds legitimately write other sizes under plain
+  names (docs/disk-tier.md), so there a cut object is only a size the
+  ambiguity rule reports.
 
 Not flagged, only counted: objects without a trailer (a build without the
 check wrote them; a checking reader refuses them and its next store rewrites
@@ -79,6 +87,7 @@ def verify(path: Path, reader: TierReader, sets: list[ObjectSet], plan: Plan,
     verdicts = check(sorted(todo))
     res = VerifyResult(checked=len(verdicts))
     verified_sizes: dict[str, set[int]] = {}
+    namespaced = {s.set for s in sets if s.namespace}
     for name, (v, _) in verdicts.items():
         res.verdicts[v] = res.verdicts.get(v, 0) + 1
         if v == ck.OK:
@@ -91,6 +100,12 @@ def verify(path: Path, reader: TierReader, sets: list[ObjectSet], plan: Plan,
         elif v == ck.NO_TRAILER and size in verified_sizes.get(prefix, ()):
             corrupt[name] = (f"no valid trailer, yet {size} B is the size of its set's verified "
                              "objects (a trailer-format object damaged at its end)")
+        elif v == ck.NO_TRAILER and prefix in namespaced and len(verified_sizes.get(prefix, ())) == 1:
+            (full,) = verified_sizes[prefix]
+            if size != full - ck.TRAILER_LEN:
+                corrupt[name] = (f"{size} B without a trailer in a namespaced set whose verified "
+                                 f"objects hold {full - ck.TRAILER_LEN} KV bytes: cut short or padded")
+        if name in corrupt and v == ck.NO_TRAILER:
             res.verdicts[ck.NO_TRAILER] -= 1  # counted as what it is
             res.verdicts[ck.CORRUPT] = res.verdicts.get(ck.CORRUPT, 0) + 1
     res.verdicts = {k: n for k, n in sorted(res.verdicts.items()) if n}
@@ -103,6 +118,13 @@ def verify(path: Path, reader: TierReader, sets: list[ObjectSet], plan: Plan,
         by_set[prefix].flagged.append(Flag(CORRUPT, size, len(names), size * len(names), names[0], None))
         for n in names:
             plan.names[n] = (size, (CORRUPT, None))
+    for row in sets:
+        if row.ambiguous and row.set in namespaced and len(verified_sizes.get(row.set, ())) == 1:
+            (full,) = verified_sizes[row.set]
+            flagged = {f.size: f.objects for f in row.flagged}
+            if all(flagged.get(sz, 0) == n for sz, n in row.sizes.items()
+                   if sz not in (full, full - ck.TRAILER_LEN)):
+                row.ambiguous = False  # every other size was a damaged object
     res.corrupt_names = sorted(corrupt)
     res.details = {n: corrupt[n] for n in res.corrupt_names}
     return res

@@ -49,7 +49,7 @@ def kv_of(i: int) -> bytes:
 
 @pytest.fixture
 def damaged(tmp_path) -> tuple[Path, set[str]]:
-    """A namespaced set of 8 checked objects (5 damaged), a plain set of
+    """A namespaced set of 8 checked objects (6 damaged), a plain set of
     checked objects and of pristine (trailer-less) ones; the damaged names."""
     d = tmp_path / "l2"
     d.mkdir()
@@ -79,6 +79,9 @@ def damaged(tmp_path) -> tuple[Path, set[str]]:
     bad |= {ns[2], ns[3]}
     shutil.copyfile(d / ns[7], d / ns[4])  # foreign: another key's intact object
     bad.add(ns[4])
+    with open(d / ns[5], "r+b") as f:  # cut short (a namespaced set: one layout)
+        f.truncate(KV // 2)
+    bad.add(ns[5])
     return d, bad
 
 
@@ -89,15 +92,18 @@ def test_verify_flags_exactly_the_damaged_objects(damaged) -> None:
     assert rc == FLAGGED
     v = res["verify"]
     assert sorted(v["corrupt_names"]) == sorted(bad)
-    assert v["checked"] == 14 and v["verdicts"] == {"ok": 6, "corrupt": 5, "no-trailer": 3}, v
+    assert v["checked"] == 14 and v["verdicts"] == {"ok": 5, "corrupt": 6, "no-trailer": 3}, v
     assert "in patchtool's interpreter" in v["checked_with"]
     assert "damaged at its end" in v["details"][name(0, 1, NS1)]  # the torn one: trailer zeroed
     assert "checksum mismatch" in v["details"][name(0, 0, NS1)]
-    assert res["flagged"]["corrupt"] == {"objects": 5, "bytes": 5 * (KV + 64)}
-    assert res["flagged_objects"] == 5 and res["ambiguous_sets"] == 0
-    # without --verify the same tier is clean: sizes alone cannot see it
+    assert "cut short or padded" in v["details"][name(0, 5, NS1)]
+    assert res["flagged"]["corrupt"] == {"objects": 6, "bytes": 5 * (KV + 64) + KV // 2}
+    # the cut object's second size does not make its set ambiguous: the
+    # verified trailers say which size the set's layout has
+    assert res["flagged_objects"] == 6 and res["ambiguous_sets"] == 0
+    # without --verify sizes alone see only a set of two sizes (ambiguous)
     rc, doc = scan_json(d, "--assume", "kvl1")
-    assert rc == 0 and "corrupt" not in doc["result"]["flagged"] and doc["result"]["verify"] is None
+    assert rc == 21 and "corrupt" not in doc["result"]["flagged"] and doc["result"]["verify"] is None
 
 
 def test_verify_quarantine_moves_exactly_them_and_restore_undoes(damaged, tmp_path) -> None:
@@ -108,7 +114,7 @@ def test_verify_quarantine_moves_exactly_them_and_restore_undoes(damaged, tmp_pa
     assert r.rc == 0, r.err  # the final re-scan (verified again) finds nothing flagged
     res = r.json["result"]
     assert res["quarantine"]["moved_by_category"] == {"never-read": 0, "unpatched": 0,
-                                                      "size-mismatch": 0, "corrupt": 5}
+                                                      "size-mismatch": 0, "corrupt": 6}
     assert set(tree(q)) - {"quarantine.jsonl"} == bad
     assert set(tree(d)) == set(before) - bad
     assert cli("l2", "restore", str(q), "--json").rc == 0
@@ -176,4 +182,4 @@ def test_names_only_and_plain_scans_open_nothing(damaged, monkeypatch) -> None:
     reader = l2reader.parse_assume("kvl1")
     for sizes in (False, True):
         res = l2command.run_scan(d, reader, sizes=sizes)
-        assert res.verify is None and res.objects == 14
+        assert res.verify is None and res.objects == 14 and res.flagged_objects == 0
