@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""What the fs L2 object checksum (part 12-l2-checksum) costs, side by side.
+
+Two long-lived workers run the REAL ``FSL2Adapter`` in a version's runtime
+venv, each in its own temporary directory on the same filesystem:
+
+* A -- the series WITHOUT 12-l2-checksum (upstream's adapter: no trailer,
+  no check);
+* B -- the series WITH it (blake3 trailer written on store, verified on load).
+
+Each round, each worker stores one request's objects (``--chunks`` chunks of
+``--sizes`` bytes, fresh keys, one store task as the server submits it),
+waits for the task, then loads them back into page-aligned buffers (one load
+task, as a prefetch does) and checks every bit of the load bitmap; the files
+are then removed.  Rounds alternate A B / B A (ABBA) so that drift on a
+shared machine hits both alike.  In the same rounds worker B also times,
+over the same bytes, the blake3 digest the adapter computes
+(``_object_digest``) against a plain copy (``dst[:] = src``) and against
+hashlib.sha256 and zlib.crc32.
+
+Default sizes are one chunk of ``qwen35-0.8b`` on the CPU server at one block
+per chunk (GDN state 3,342,336 B, attention 1,114,112 B).  The files live in
+the page cache (written, then read back at once): the fastest tier there is,
+so the check's share of the time is the largest it can be.
+
+With ``--server N`` it also runs the CPU restore gate (``verify/restore_gate.py``:
+a real ``lmcache server`` with an fs tier, store, SIGKILL, restart, restore)
+N times per build, alternating, on one ``--chunks``-chunk ``qwen35-0.8b``
+request, and compares what a request sees: the client's store call, the time
+until every object is on disk (polled every 20 ms), the lookup after the
+restart (it waits for the L2 prefetch, so it includes reading and checking
+every object) and the retrieve.
+
+Prints medians, the ratios B/A, hash/copy, and the machine's load average
+before and after.  Usage:
+
+    .venv/bin/python bench/bench_l2_checksum.py [--version 0.5.6] [--rounds 7] [--chunks 16]
+                                                [--server 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PART = "12-l2-checksum"
+DEFAULT_SIZES = (3342336, 1114112)
+
+
+# ---------------------------------------------------------------------------
+# worker (target interpreter, lmcache on PYTHONPATH)
+# ---------------------------------------------------------------------------
+
+
+class _Obj:
+    """What the adapter reads of a MemoryObj: ``byte_array``, page-aligned."""
+
+    def __init__(self, size: int) -> None:
+        import mmap  # noqa: PLC0415
+
+        self.mem = mmap.mmap(-1, size)
+
+    @property
+    def byte_array(self) -> memoryview:
+        return memoryview(self.mem)
+
+
+def _wait(poll, task_id: int) -> Any:
+    while True:
+        got = poll(task_id)
+        if got is not None:
+            return got
+        time.sleep(0.00005)
+
+
+def worker(base: Path, sizes: list[int], chunks: int) -> None:
+    import hashlib  # noqa: PLC0415
+    import zlib  # noqa: PLC0415
+
+    from lmcache.v1.distributed.api import ObjectKey  # noqa: PLC0415
+    from lmcache.v1.distributed.l2_adapters import fs_l2_adapter as fsa  # noqa: PLC0415
+
+    adapter = fsa.FSL2Adapter(fsa.FSL2AdapterConfig(str(base)))
+    src = [_Obj(size) for _ in range(chunks) for size in sizes]
+    blob = os.urandom(max(sizes))
+    for o in src:
+        o.mem[:] = blob[:len(o.mem)]
+    dst = [_Obj(len(o.mem)) for o in src]
+    total = sum(len(o.mem) for o in src)
+    checked = hasattr(fsa, "SUM_TRAILER_LEN")
+
+    def keys(round_no: int) -> list[Any]:
+        return [ObjectKey(chunk_hash=round_no.to_bytes(4, "big") + i.to_bytes(4, "big"), model_name="bench/m",
+                          kv_rank=0x01000100, object_group_id=i % len(sizes)) for i in range(len(src))]
+
+    def popped(task: int) -> Any:
+        return adapter.pop_completed_store_tasks().get(task)
+
+    def timed(fn, reps: int = 3) -> float:
+        best = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            best.append(time.perf_counter() - t0)
+        return min(best)
+
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        if cmd[0] == "round":
+            ks = keys(int(cmd[1]))
+            t0 = time.perf_counter()
+            result = _wait(popped, adapter.submit_store_task(ks, src))
+            t_store = time.perf_counter() - t0
+            if int(result) < 0:  # L2StoreResult: -1 on failure
+                raise SystemExit(f"bench worker: store failed in {base}")
+            t0 = time.perf_counter()
+            bitmap = _wait(adapter.query_load_result, adapter.submit_load_task(ks, dst))
+            t_load = time.perf_counter() - t0
+            if len(bitmap.get_indices_list()) != len(ks):
+                raise SystemExit(f"bench worker: {len(ks) - len(bitmap.get_indices_list())} loads missed in {base}")
+            for p in base.glob("*.data"):
+                p.unlink()
+            out: dict[str, Any] = {"store_s": t_store, "load_s": t_load, "bytes": total}
+            if checked:  # the hash, a copy, and two stdlib checksums over the same bytes
+                views = [o.byte_array for o in src]
+                out["blake3_s"] = timed(lambda: [fsa._object_digest("x", v) for v in views])
+                out["copy_s"] = timed(lambda: [d.byte_array.__setitem__(slice(None), v)
+                                               for d, v in zip(dst, views)])
+                out["sha256_s"] = timed(lambda: [hashlib.sha256(v).digest() for v in views], 1)
+                out["crc32_s"] = timed(lambda: [zlib.crc32(v) for v in views], 1)
+            print(json.dumps(out), flush=True)
+    adapter.close()
+
+
+# ---------------------------------------------------------------------------
+# orchestrator (any Python 3.11; provisions the environments)
+# ---------------------------------------------------------------------------
+
+
+def _series(root: Path, version: str, with_part: bool) -> list[Path]:
+    patches = sorted((root / version).glob("*.patch"))
+    if not any(p.stem == PART for p in patches):
+        raise SystemExit(f"bench_l2_checksum: {root / version} has no {PART}")
+    return [p for p in patches if with_part or p.stem != PART]
+
+
+def _start(version: str, with_part: bool, base: Path, args: argparse.Namespace) -> subprocess.Popen:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import provision  # noqa: PLC0415
+
+    python = provision.runtime_env(version) / "bin" / "python"
+    overlay = provision.overlay(version, _series(Path(args.series_root), version, with_part))
+    env = dict(os.environ, PYTHONPATH=str(overlay), LMCACHE_LOG_LEVEL="WARNING")
+    argv = [str(python), __file__, "--worker", str(base), "--sizes", ",".join(map(str, args.sizes)),
+            "--chunks", str(args.chunks)]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=env)
+
+
+def _ask(proc: subprocess.Popen, cmd: str) -> dict[str, Any]:
+    proc.stdin.write(cmd + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"bench_l2_checksum: a worker died on {cmd!r} (rc {proc.wait()})")
+    return json.loads(line)
+
+
+def _gate_once(version: str, with_part: bool, args: argparse.Namespace) -> dict[str, float]:
+    """One restore-gate run; the request-level timings of its one preset."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import provision  # noqa: PLC0415
+
+    python = provision.runtime_env(version) / "bin" / "python"
+    overlay = provision.overlay(version, _series(Path(args.series_root), version, with_part))
+    env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
+    proc = subprocess.run([str(python), str(REPO / "verify" / "restore_gate.py"), "--json", "--quiet",
+                           "--preset", "qwen35-0.8b", "--chunks", str(args.chunks), "--chunk-blocks", "1",
+                           "--no-stay-alive"], capture_output=True, text=True, env=env, cwd=str(REPO))
+    report = json.loads(proc.stdout)
+    if report["verdict"] != "pass":
+        raise SystemExit(f"bench_l2_checksum: the restore gate did not pass: {report['reason']}")
+    (p,) = report["presets"]
+    return {"store_call_s": p["stored"]["seconds"], "flush_to_disk_s": report["timings"]["flush_to_disk"],
+            "lookup_after_restart_s": p["after_restart"]["lookup_seconds"],
+            "retrieve_s": p["restored"]["retrieve_seconds"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--version", default="0.5.6")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--chunks", type=int, default=16, help="chunks per request (default 16)")
+    ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=list(DEFAULT_SIZES),
+                    help="object sizes of one chunk, comma-separated (default: qwen35-0.8b, CPU, C=N)")
+    ap.add_argument("--dir", help="parent of the two tiers (default $TMPDIR: a disk filesystem)")
+    ap.add_argument("--series-root", default=str(REPO / "patches" / "hybrid-fa"),
+                    help="where <version>/*.patch are (default: the shipped hybrid-fa set)")
+    ap.add_argument("--server", type=int, default=0, metavar="N",
+                    help="also run the CPU restore gate N times per build (alternating)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(Path(args.worker), args.sizes, args.chunks)
+        return 0
+
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench-l2-checksum-", dir=args.dir) as tmp:
+        bases = {"A": Path(tmp, "without"), "B": Path(tmp, "with")}
+        for b in bases.values():
+            b.mkdir()
+        procs = {"A": _start(args.version, False, bases["A"], args), "B": _start(args.version, True, bases["B"], args)}
+        runs: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
+        try:
+            for name in procs:  # warm-up round (imports, first files), not counted
+                _ask(procs[name], "round 1000000")
+            for r in range(args.rounds):
+                for name in ("AB" if r % 2 == 0 else "BA"):
+                    runs[name].append(_ask(procs[name], f"round {r}"))
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.stdin.write("quit\n")
+                    p.stdin.flush()
+                    p.wait(timeout=60)
+    gate: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
+    for r in range(args.server):
+        for name in ("AB" if r % 2 == 0 else "BA"):
+            gate[name].append(_gate_once(args.version, name == "B", args))
+    load_after = os.getloadavg()
+
+    def med(name: str, field: str) -> float:
+        return statistics.median(x[field] for x in runs[name])
+
+    total = runs["A"][0]["bytes"]
+    res = {"version": args.version, "rounds": args.rounds, "chunks": args.chunks, "sizes": args.sizes,
+           "bytes_per_request": total, "cpus": os.cpu_count(),
+           "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after],
+           "median_s": {f"{w}_{f}": round(med(n, f), 5) for n, w in (("A", "without"), ("B", "with"))
+                        for f in ("store_s", "load_s")}}
+    for f in ("blake3_s", "copy_s", "sha256_s", "crc32_s"):
+        res["median_s"][f] = round(med("B", f), 5)
+    res["ratio"] = {"store_with_over_without": round(med("B", "store_s") / med("A", "store_s"), 3),
+                    "load_with_over_without": round(med("B", "load_s") / med("A", "load_s"), 3),
+                    "blake3_over_copy": round(med("B", "blake3_s") / med("B", "copy_s"), 3),
+                    "sha256_over_copy": round(med("B", "sha256_s") / med("B", "copy_s"), 3),
+                    "crc32_over_copy": round(med("B", "crc32_s") / med("B", "copy_s"), 3)}
+    if args.server:
+        res["server"] = {}
+        for f in gate["A"][0]:
+            a, b = (statistics.median(x[f] for x in gate[n]) for n in "AB")
+            res["server"][f] = {"without": a, "with": b, "ratio": round(b / a, 3) if a else None}
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    gb = total / 1e9
+    m = res["median_s"]
+    print(f"lmcache {args.version}, {args.chunks} chunks x {args.sizes} B = {total / 2**20:.1f} MiB per request, "
+          f"{args.rounds} rounds (ABBA), {res['cpus']} CPUs, load average {load_before[0]:.2f} -> {load_after[0]:.2f}")
+    print(f"  store   without check {m['without_store_s'] * 1e3:8.2f} ms ({gb / m['without_store_s']:5.2f} GB/s)   "
+          f"with {m['with_store_s'] * 1e3:8.2f} ms   ratio {res['ratio']['store_with_over_without']:.3f}")
+    print(f"  load    without check {m['without_load_s'] * 1e3:8.2f} ms ({gb / m['without_load_s']:5.2f} GB/s)   "
+          f"with {m['with_load_s'] * 1e3:8.2f} ms   ratio {res['ratio']['load_with_over_without']:.3f}")
+    print(f"  same bytes: blake3 {m['blake3_s'] * 1e3:.2f} ms ({gb / m['blake3_s']:.2f} GB/s), plain copy "
+          f"{m['copy_s'] * 1e3:.2f} ms ({gb / m['copy_s']:.2f} GB/s): blake3/copy "
+          f"{res['ratio']['blake3_over_copy']:.2f}; sha256/copy {res['ratio']['sha256_over_copy']:.2f}, "
+          f"crc32/copy {res['ratio']['crc32_over_copy']:.2f}")
+    for f, v in res.get("server", {}).items():
+        print(f"  server, {args.server} gate runs each: {f:24} without {v['without'] * 1e3:8.1f} ms   "
+              f"with {v['with'] * 1e3:8.1f} ms   ratio {v['ratio']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
