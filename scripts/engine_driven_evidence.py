@@ -49,6 +49,7 @@ import provision  # noqa: E402
 from vllm_cells import patches_sha256  # noqa: E402
 
 from restore_gate import l2_objects  # noqa: E402
+from lmcache_patchtool_verify.tier_objects import has_trailer, kv_bytes  # noqa: E402
 from lmcache_patchtool_verify.xver_outcome import preset as gate_preset  # noqa: E402
 
 OUT = REPO / "verify" / "evidence" / "engine-driven-gate.json"
@@ -100,8 +101,10 @@ def l2_digests(report: dict, preset: str) -> dict[str, str]:
     # The gate runs one server pair per chunk size: the preset's own cycle.
     (cycle,) = [c for c in report["cycles"] if preset in c["presets"]]
     files = l2_objects(Path(cycle["workdir"], "l2"), p["model_name"])
-    return {f.name.replace(p["model_name"], "MODEL"): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in files}
+    # KV bytes: a checksum trailer (hybrid-fa part 12-l2-checksum) binds the
+    # file name, which holds the gate's per-run model name.
+    return {f.name.replace(p["model_name"], "MODEL"): hashlib.sha256(kv_bytes(f)).hexdigest()
+            + (" +trailer" if has_trailer(f) else "") for f in files}
 
 
 def _cleanup(report: dict) -> None:

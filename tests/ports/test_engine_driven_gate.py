@@ -208,10 +208,14 @@ def test_engine_driven_objects_identical_to_lmcache_driven_k1(tmp_path):
 
 
 def _l2_digests(report: dict, preset: str) -> dict[str, str]:
-    """File name (the run's model name replaced) -> sha256 of one preset's fs
-    L2 objects after the store (the first cycle's directory)."""
+    """File name (the run's model name replaced) -> sha256 of the KV bytes of
+    one preset's fs L2 objects after the store (the first cycle's directory),
+    and whether the file ends in a checksum trailer.  The trailer (hybrid-fa
+    part 12-l2-checksum) binds the file name, which holds the gate's per-run
+    model name, so it differs between any two runs; the KV bytes must not."""
     import hashlib
 
+    from lmcache_patchtool_verify.tier_objects import has_trailer, kv_bytes  # noqa: PLC0415
     from restore_gate import l2_objects  # noqa: PLC0415  (verify/ is on sys.path)
 
     (p,) = [x for x in report["presets"] if x["preset"] == preset]
@@ -219,7 +223,8 @@ def _l2_digests(report: dict, preset: str) -> dict[str, str]:
     # The gate runs one server pair per chunk size: the preset's own cycle.
     (cycle,) = [c for c in report["cycles"] if preset in c["presets"]]
     files = l2_objects(Path(cycle["workdir"], "l2"), model)
-    return {f.name.replace(model, "MODEL"): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    return {f.name.replace(model, "MODEL"): hashlib.sha256(kv_bytes(f)).hexdigest()
+            + (" +trailer" if has_trailer(f) else "") for f in files}
 
 
 def _cleanup(report: dict) -> None:
