@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -193,3 +194,26 @@ def test_readme_undo_is_the_restore_command():
     text = readme + (docs.read_text() if docs.exists() else "")
     assert "mv DEST/*.data DIR/" not in text
     assert "patchtool l2 restore DEST" in text
+
+
+def test_restore_into_another_filesystem_is_refused(tmp_path):
+    """A journal whose DIR is on another filesystem than DEST (a tier moved,
+    a journal copied): a link cannot cross it, so the restore refuses before
+    its first write."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)
+            and os.stat(shm).st_dev != os.stat(tmp_path).st_dev):
+        pytest.skip("no /dev/shm on another filesystem")
+    t = _quarantined(tmp_path)
+    other = Path(shm / f"l2-restore-{os.getpid()}-{tmp_path.name}")
+    other.mkdir()
+    try:
+        j = t.q / JOURNAL
+        j.write_text(j.read_text().replace(json.dumps(os.path.realpath(t.dir)),
+                                           json.dumps(str(other))))
+        data = j.read_bytes()
+        line = one_line(cli("l2", "restore", str(t.q)), 3, other, "another filesystem")
+        assert len(line) < 200 + len(str(t.q)) and j.read_bytes() == data
+        assert list(other.iterdir()) == [] and len(tree(t.q)) == 5
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
