@@ -130,7 +130,18 @@ def summarise(name: str, spec: dict, result: dict, rc: int, seconds: float) -> d
             "ttft": result.get("ttft"), "restore": per_length, "engine_starts": starts,
             "cycle_seconds": round(seconds, 1), "kv_probe_ok": (result.get("kv_probe") or {}).get("ok"),
             "patches_sha256": series_sha(series(spec["version"], spec["sets"])),
+            "overlay_patches": _overlay_patches(result),
             "control": None if spec.get("control") is None else "+".join(spec["control"]) or "pristine"}
+
+
+def _overlay_patches(result: dict) -> list[str] | None:
+    """The patch files the run's lmcache overlay was built from (its provision stamp)."""
+    ov = ((result.get("environment") or {}).get("lmcache_overlay"))
+    try:
+        stamp = json.loads((Path(ov) / provision.STAMP).read_text())
+    except (TypeError, OSError, ValueError):
+        return None
+    return [str(Path(p).relative_to(REPO)) if Path(p).is_relative_to(REPO) else p for p in stamp.get("patches", [])]
 
 
 def run(name: str, lengths: str, python: Path, keep: Path | None) -> dict:
@@ -168,13 +179,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="also keep the cells of this evidence file (another run's --out) for scenarios "
                          "not run this time; with no --scenario, only combine")
     ap.add_argument("--keep-work", type=Path, help="put the gate work dirs (full result JSON, logs) here")
+    ap.add_argument("--adopt", action="append", default=[], metavar="SCENARIO=RESULT_JSON",
+                    help="summarise the result JSON of a gate run this script started (kept with --keep-work) "
+                         "instead of running the scenario again (e.g. a run whose evidence write was interrupted); "
+                         "the cycle time is the span of its trace")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
     if args.list:
         for n, s in SCENARIOS.items():
             print(f"{n:24s} {s['what']}")
         return 0
-    names = args.scenario or ([] if args.merge_from else list(DEFAULT))
+    adopted = dict(a.split("=", 1) for a in args.adopt)
+    names = args.scenario or ([] if args.merge_from or adopted else list(DEFAULT))
+    if any(n not in SCENARIOS for n in adopted):
+        ap.error(f"unknown scenario(s) in --adopt: {sorted(set(adopted) - set(SCENARIOS))}")
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; --list shows them")
@@ -182,6 +200,19 @@ def main(argv: list[str] | None = None) -> int:
     venv = provision_engine.engine_env()
     python = venv / "bin" / "python"
     cells = [run(n, args.lengths, python, args.keep_work) for n in names]
+    for n, path in adopted.items():
+        result = json.loads(Path(path).read_text())
+        span = [t["t"] for t in result.get("trace", [])]
+        rc = {"pass": 0, "fail": 20, "inconclusive": 21}.get((result.get("verdict") or {}).get("status"), 22)
+        cell = summarise(n, SCENARIOS[n], result, rc, (span[-1] - span[0]) if span else 0.0)
+        spec = SCENARIOS[n]
+        # provision.overlay keys a patched overlay by the sha256 of its patches' bytes: the current
+        # series' sha256 is the run's only when the run's overlay carries the same key
+        ov = str((result.get("environment") or {}).get("lmcache_overlay") or "")
+        sha = cell["patches_sha256"]
+        if sha is not None and not ov.endswith(sha[:16]):
+            cell["patches_sha256"] = None
+        cells.append(cell | {"adopted_from": str(path)})
     sources = ([args.out] if args.merge and args.out.exists() else []) + list(args.merge_from)
     for src in sources:
         old = json.loads(src.read_text()).get("cells", [])
