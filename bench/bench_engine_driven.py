@@ -38,7 +38,11 @@ and the ratios depend on it (EXPLAINER 10.6).
 It prints, per mode, the bytes moved, the median store and retrieve s/GiB and
 their sum, the memcpy floor in s/GiB, engine-driven / lmcache-driven ratios of
 the medians, each mode's medians over the floor, and the load (start, end,
-range over the rounds).  No timing is asserted; the exit code is 1 only if a
+range over the rounds).  It also prints the CPU seconds per GiB the client and
+the server process spent together on each store (with its commit) and
+retrieve (``/proc/<pid>/task/*/schedstat``, untimed reads): on a loaded
+machine the wall-clock ratios mostly measure the scheduler, the CPU time what
+each path costs.  No timing is asserted; the exit code is 1 only if a
 store or retrieve failed or a restored byte was wrong, 2 on an infrastructure
 error.
 
@@ -142,10 +146,23 @@ def l1_status(spec: Any) -> dict[str, Any]:
     return sm.get("l1_manager") or next(iter(sm["l1_managers"].values()))
 
 
+def cpu_seconds(pid: int | str) -> float:
+    """CPU time all threads of ``pid`` have run so far (``/proc/<pid>/task/*/schedstat``,
+    nanoseconds: finer than the clock ticks of ``/proc/<pid>/stat``)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that just ended
+    return total / 1e9
+
+
 class ModeRun:
     """One client (one mode, one model) and its per-round figures."""
 
-    def __init__(self, gc: Any, geometry: Any, geo: Any, mode: str, spec: Any, args: argparse.Namespace) -> None:
+    def __init__(self, gc: Any, geometry: Any, geo: Any, mode: str, spec: Any, args: argparse.Namespace,
+                 server_pid: int) -> None:
         self.gc, self.mode, self.geo, self.args = gc, mode, geo, args
         self.model = f"bench-ed-{mode}-{geo.name}-{uuid.uuid4().hex[:8]}"
         self.layout = gc.Layout(geo, geometry.engine_group_infos(geo, "connector"))
@@ -161,6 +178,7 @@ class ModeRun:
         self.dst = [pool[g * per_group:(g + 1) * per_group] for g in range(self.layout.num_groups)]
         self.client = gc.Client(spec.zmq_url, self.model, self.layout, mq_timeout=args.step_timeout,
                                 transfer_mode=mode)
+        self.server_pid = server_pid
         self.client.register(geometry.build_kv_caches(geo, self.num_blocks, fill=0))
         self.expected = gc.fill_source(self.client, self.src, args.seed)  # after registration
         self.dst_blocks = {layer: self.dst[self.layout.group_of_layer[layer]]
@@ -173,6 +191,7 @@ class ModeRun:
         rid = f"bench-store-{uuid.uuid4().hex[:10]}"
         miss = self.client.lookup(rid, tokens, a.step_timeout)
         used0 = l1_status(spec)["memory_used_bytes"]
+        cpu0 = cpu_seconds("self") + cpu_seconds(self.server_pid)  # untimed
         t0 = time.perf_counter()
         stored = self.client.store(rid, tokens, self.src, end, a.step_timeout)
         store_s = time.perf_counter() - t0
@@ -189,6 +208,9 @@ class ModeRun:
             time.sleep(0.002)
         commit_wait_s = time.perf_counter() - t0
         moved = st["memory_used_bytes"] - used0
+        # CPU of both processes over the store and the commit wait (the HTTP
+        # polls above are in it for both modes alike).
+        store_cpu_s = cpu_seconds("self") + cpu_seconds(self.server_pid) - cpu0
 
         gc.poison(self.client, self.dst_blocks)
         rid = f"bench-retrieve-{uuid.uuid4().hex[:10]}"
@@ -196,10 +218,12 @@ class ModeRun:
         hit = self.client.lookup(rid, tokens, a.step_timeout)
         lookup_s = time.perf_counter() - t0
         ok, detail = False, "no hit"
+        cpu0 = cpu_seconds("self") + cpu_seconds(self.server_pid)  # untimed
         t0 = time.perf_counter()
         if hit:
             ok, detail = self.client.retrieve(rid, tokens, self.dst, hit, a.step_timeout)
         retrieve_s = time.perf_counter() - t0
+        retrieve_cpu_s = cpu_seconds("self") + cpu_seconds(self.server_pid) - cpu0
         self.client.finish_request(rid)
         # Untimed.  The source blocks are not poison, so the check's foreign-write
         # count is meaningless here; only the restored positions are judged.
@@ -207,7 +231,7 @@ class ModeRun:
                                  blocks_per_chunk=self.blocks_per_chunk, restored_chunks=hit // (end // a.chunks),
                                  untouched=gc.POISON)
         row = {"warmup": warmup, "miss_tokens": miss, "stored": stored, "bytes": moved, "store_s": store_s,
-               "commit_wait_s": commit_wait_s,
+               "commit_wait_s": commit_wait_s, "store_cpu_s": store_cpu_s, "retrieve_cpu_s": retrieve_cpu_s,
                "lookup_s": lookup_s, "retrieve_s": retrieve_s, "hit_tokens": hit, "retrieve_ok": ok, "retrieve_detail": detail,
                "chunks_exact": check["chunks_exact"], "per_chunk_exact": [c["exact"] for c in check["per_chunk"]], "fa": check["fa"]}
         if not warmup:
@@ -266,10 +290,14 @@ def summarise(runs: dict[str, ModeRun], floor: MemcpyFloor, loads: list[float]) 
         st = [r["store_s"] / (r["bytes"] / GIB) for r in rows]
         rt = [r["retrieve_s"] / (r["bytes"] / GIB) for r in rows]
         both = [s + r for s, r in zip(st, rt)]
+        st_cpu = [r["store_cpu_s"] / (r["bytes"] / GIB) for r in rows]
+        rt_cpu = [r["retrieve_cpu_s"] / (r["bytes"] / GIB) for r in rows]
         out[mode] = {"model": run.model, "bytes_per_round": sorted({r["bytes"] for r in rows}),
                      "bytes_median": nbytes,
                      "store_s_per_gib": statistics.median(st), "retrieve_s_per_gib": statistics.median(rt),
                      "store_retrieve_s_per_gib": statistics.median(both),
+                     "store_cpu_s_per_gib": statistics.median(st_cpu),
+                     "retrieve_cpu_s_per_gib": statistics.median(rt_cpu),
                      "store_s_per_gib_range": [min(st), max(st)], "retrieve_s_per_gib_range": [min(rt), max(rt)],
                      "store_s_median": statistics.median(r["store_s"] for r in rows),
                      "retrieve_s_median": statistics.median(r["retrieve_s"] for r in rows),
@@ -278,7 +306,8 @@ def summarise(runs: dict[str, ModeRun], floor: MemcpyFloor, loads: list[float]) 
                                 for r in rows]}
     ed, ld = out["engine_driven"], out["lmcache_driven"]
     out["ratio_engine_to_lmcache"] = {
-        k: ed[k] / ld[k] for k in ("store_s_per_gib", "retrieve_s_per_gib", "store_retrieve_s_per_gib")}
+        k: ed[k] / ld[k] for k in ("store_s_per_gib", "retrieve_s_per_gib", "store_retrieve_s_per_gib",
+                                   "store_cpu_s_per_gib", "retrieve_cpu_s_per_gib")}
     per_gib = [s / (floor.nbytes / GIB) for s in floor.seconds]
     out["memcpy_floor"] = {"bytes": floor.nbytes, "s_per_gib": statistics.median(per_gib),
                            "s_per_gib_range": [min(per_gib), max(per_gib)],
@@ -345,7 +374,7 @@ def measure(args: argparse.Namespace, rg: Any, geometry: Any, procs: Any, geo: A
             f"L1 {l1_gb:g} GB, no L2, chunk {chunk} tokens")
         try:
             for mode in MODES:
-                runs[mode] = ModeRun(gc, geometry, geo, mode, spec, args)
+                runs[mode] = ModeRun(gc, geometry, geo, mode, spec, args, server.pid)
             rng = random.Random(args.seed)
             n_tok = args.chunks * chunk + geo.tokens_per_block // 2  # plus a partial chunk, never stored
             failures: list[str] = []
@@ -414,6 +443,11 @@ def text_report(r: dict[str, Any]) -> str:
     q = r["ratio_engine_to_lmcache"]
     lines.append(f"  engine-driven / lmcache-driven: store {q['store_s_per_gib']:.2f}x, "
                  f"retrieve {q['retrieve_s_per_gib']:.2f}x, store+retrieve {q['store_retrieve_s_per_gib']:.2f}x")
+    lines.append(f"  CPU seconds per GiB, worker + server processes (less sensitive to the load): "
+                 + ", ".join(f"{mode} store {r[mode]['store_cpu_s_per_gib']:.3f} retrieve "
+                             f"{r[mode]['retrieve_cpu_s_per_gib']:.3f}" for mode in MODES)
+                 + f"; engine-driven / lmcache-driven: store {q['store_cpu_s_per_gib']:.2f}x, "
+                   f"retrieve {q['retrieve_cpu_s_per_gib']:.2f}x")
     for mode in MODES:
         x = r["ratio_to_memcpy_floor"][mode]
         lines.append(f"  {mode} / memcpy floor: store {x['store_s_per_gib']:.1f}x, retrieve {x['retrieve_s_per_gib']:.1f}x")
