@@ -131,7 +131,7 @@ def _one_place(t: SimpleNamespace) -> None:
         assert os.path.samefile(t.dir / n, t.q / n), n
 
 
-@pytest.mark.parametrize("at", [1, 2, 3, 4, 1026, 1027, 1500, WRITES])
+@pytest.mark.parametrize("at", [1, 2, 3, 4, 1027, 1500, WRITES])
 def test_kill_restore_then_rerun_finishes(tmp_path, at):
     t = _many(tmp_path)
     r = cli("l2", "restore", str(t.q), "--json", env={CRASH_VAR: f"crash:{at}"}, unset=())
