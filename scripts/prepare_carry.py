@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build the folder a lent GPU machine needs for the CUDA round trip (issue 16).
 
-The device (see docs/gpu-gate.md, "The lent-device CUDA round trip") has
+The device (see docs/engine-gate.md, "The lent-device CUDA round trip") has
 Python 3.12, torch 2.11.0+cu130 and the packages of ``image_packages.txt``, no
 network and no vLLM; a call carries at most 64 MiB, the working tree
 included.  This script, run on a machine with network access, writes

@@ -10,7 +10,7 @@
    ``fake_lmcache.py`` exports nothing until the first increment.
 
 Each test here failed on the code before the fix (recorded in
-docs/gpu-gate.md, "First-run fixes").
+docs/engine-gate.md, "First-run fixes").
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def test_identical_criterion():
     assert status(r) == "pass"
     r["arms"]["restore"]["8192"]["token_ids"] = [1, 2, 4]
     v = gv.evaluate(r)
-    assert v.status == "fail" and "diverges from cold at output token 2" in " ".join(v.reasons)
+    assert v.status == "fail" and "diverges from the store arm at output token 2" in " ".join(v.reasons)
 
 
 def test_negative_control():

@@ -144,7 +144,8 @@ def evaluate(rec: dict[str, Any]) -> Verdict:
             # near-tie of a tiny model's greedy token; measured: the store arm itself then differs
             # from the cold one exactly where the restore does)
             ok, why = answer_ok(crit, s, r)
-            checks.append(Check("restore_answer", ok, why.replace("to cold", "to the store arm"), L))
+            checks.append(Check("restore_answer", ok, why.replace("to cold", "to the store arm")
+                                .replace("from cold", "from the store arm"), L))
             ok_c, why_c = answer_ok(crit, c, r)
             checks.append(Check("restore_vs_cold", ok_c, why_c, L, required=False))
         else:
