@@ -8,9 +8,11 @@ of vLLM and LMCache per run: ~15 s), cached for the session.
 
 Builds: ``pristine`` (the wheel), ``patched`` (the hybrid-fa series as git
 tracks it: ``git ls-files``, so a patch still untracked in a working tree, a
-revision in progress, is not picked up until it is added) and ``r1`` (that
+revision in progress, is not picked up until it is added), ``r1`` (that
 series without the parts revision 2 added, :data:`R2_PARTS`: part 03 revision
-1 alone, kept as the measured baseline).
+1 alone, kept as the measured baseline) and ``r3`` (that series without the
+parts revision 4 added, :data:`R4_PARTS`: the old parts a revision-4 test
+must fail on).
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ SIM = ["-m", "lmcache_patchtool_verify.sched_sim"]  # verify/ on PYTHONPATH
 
 # file-name prefixes of the parts added after part 03 revision 1 that change
 # the connector's or server's behaviour here (revision 2: 06, 07; revision 3:
-# 08, which reads vLLM 0.30+'s block state; 05, keys only, is inert for the
-# sim).  r1 = the series without them.
-R2_PARTS = ("06-", "07-", "08-")
+# 08, which reads vLLM 0.30+'s block state; revision 4: 11, the vLLM hit
+# count on an LMCache miss; 05, keys only, and 09/10, worker and server
+# registration and transfer, are inert for the sim).  r1 = the series
+# without them.
+R2_PARTS = ("06-", "07-", "08-", "11-")
+# The parts revision 4 added; r3 = the series without them.
+R4_PARTS = ("09-", "10-", "11-", "12-")
 
 
 def tracked_series(version: str) -> list[Path]:
@@ -62,9 +68,10 @@ def sched_run(tmp_path_factory) -> Callable[..., dict[str, dict[str, Any]]]:
         key = (version, build, scenarios, vllm)
         if key in cache:
             return cache[key]
-        patches = tracked_series(version) if build in ("patched", "r1") else None
-        if build == "r1":
-            patches = [p for p in patches or () if not p.name.startswith(R2_PARTS)]
+        patches = tracked_series(version) if build in ("patched", "r1", "r3") else None
+        if build in ("r1", "r3"):
+            drop = R2_PARTS if build == "r1" else R4_PARTS
+            patches = [p for p in patches or () if not p.name.startswith(drop)]
         if patches is not None and not any(p.name.startswith("03-") for p in patches):
             pytest.fail(f"no tracked 03 patch for {version}")
         overlay = provision.overlay(version, patches)

@@ -203,3 +203,52 @@ def test_033_checkpoint_blocks_hold_the_internal_boundary_state(sched_run):
     # (b) shares 4N, a boundary inside step 2: the latest true state at or
     # before it is 3N (step 1's end).
     assert b["hit_tokens"] == b["ideal_tokens"] == 3 * n, b
+
+
+# A, then B = A's prompt + 4 new chunks on the same vLLM, one block per step,
+# C = N (every series runs it; in the CI scenario set).
+TWO_REQUESTS = "2req-1blk-c1-8N"
+# Revision 3 (without part 11) on these: CI 0.5.4, the issue's cell; all of
+# 0.5.3-0.5.5 with LMCACHE_PATCHTOOL_FULL=1.
+OLD_PARTS_VERSIONS = ("0.5.3", "0.5.4", "0.5.5") \
+    if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else ("0.5.4",)
+
+
+@pytest.mark.parametrize("vllm", VLLMS)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_two_requests_store_new_chunks_after_a_local_hit(sched_run, version, vllm, request):
+    """B shares A's whole prompt: vLLM's own prefix cache hits it (B starts at
+    8N) while LMCache's lookup misses (A's chunks not there yet: in flight or
+    evicted).  Afterwards LMCache holds at least R2_HIT_RATIO_MIN of the
+    ideal (A's 8 chunks and B's 4 new ones, each with its true state) and no
+    wrong block.  The connector must record vLLM's hit count on an LMCache
+    miss too (0.5.6 upstream; part 11 on 0.5.3-0.5.5): its store bound is the
+    tokens scheduled plus that hit, so without it B's new chunks, past the
+    tokens B itself scheduled, are never stored."""
+    if version != "0.5.6" and not _has_part(version, "11-"):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            f"{version}'s series has no part 11: vLLM's hit is recorded only on an LMCache hit")))
+    r = _runs(sched_run, version, "patched", vllm)[TWO_REQUESTS]
+    two, n = r["two_request"], r["block_size"]
+    assert two["b_vllm_local_hit"] == 8 * n, two  # the scenario is what it says
+    assert r["wrong_block_stores"] == 0 and r["divergences"] == 0, (r["wrong_stores"], r["divergences"])
+    assert r["num_model_inconsistencies"] == 0, r["model_inconsistencies"]
+    assert two["ideal_tokens"] == 12 * n, two  # one block per step: every chunk end is a state
+    assert two["stored_tokens"] >= R2_HIT_RATIO_MIN * two["ideal_tokens"], two
+
+
+@pytest.mark.parametrize("vllm", VLLMS)
+@pytest.mark.parametrize("version", OLD_PARTS_VERSIONS)
+def test_two_requests_old_parts_never_store_bs_new_chunks(sched_run, version, vllm):
+    """Revision 3's parts (no part 11), the measure above: LMCache holds A's
+    8 chunks and none of B's; the first missing chunk is B's [8N, 9N), which
+    no STORE op touches.  Nothing wrong is stored: the chunks are lost, not
+    corrupted."""
+    r = sched_run(version, "r3", TWO_REQUESTS, vllm)[TWO_REQUESTS]
+    two, n = r["two_request"], r["block_size"]
+    assert two["b_vllm_local_hit"] == 8 * n, two
+    assert two["stored_tokens"] == 8 * n and two["ideal_tokens"] == 12 * n, two
+    assert two["first_missing"] == [8 * n, 9 * n, "B"], two
+    assert all(end <= 8 * n for end in two["b_chunk_writes"]), two
+    assert r["wrong_block_stores"] == 0, r["wrong_stores"]
+

@@ -21,8 +21,11 @@ second request (same prompt, a prefix ending inside a prefill step, a prefix
 diverging mid-chunk, a follow-up turn) is measured against the stored chunks
 (hit vs ideal) and also run through a restarted vLLM and connector against the
 same server, which says where vLLM really starts and whether from the true
-SSM state.  Every step, the block ids the connector tracks are compared with
-vLLM's (``divergences``; :meth:`Sim._compare_block_ids`).
+SSM state.  The ``2req-*`` scenarios instead run a second request B, sharing
+A's prompt, on the same vLLM after A (vLLM's own prefix cache hits it) and
+measure which chunks LMCache holds afterwards (:func:`run_followup`).  Every
+step, the block ids the connector tracks are compared with vLLM's
+(``divergences``; :meth:`Sim._compare_block_ids`).
 docs/scheduler-sim.md has the definitions and the measured tables.  The rest of
 ``VllmConfig`` is a stand-in namespace carrying the fields the Scheduler and
 the connector read (a real ``VllmConfig`` cannot be built on a CPU-only
@@ -72,6 +75,13 @@ class Scenario:
     num_spec: int = 0  # num_speculative_tokens (MTP-style drafts)
     preempt: bool = False  # a second concurrent request on a pool too small for both
     full_only: bool = False  # only with LMCACHE_PATCHTOOL_SCHED_FULL=1
+    # Two requests: after A finishes, B = A's prompt + this many new chunks
+    # (one output token) runs on the same vLLM, so vLLM's own prefix cache
+    # hits A's prompt.  0 = the one-request scenarios.  ``followup_lookup``:
+    # what B's LMCache lookup answers, "miss" (A's chunks not in LMCache yet:
+    # in flight, evicted) or "server" (the modelled server A filled).
+    followup_chunks: int = 0
+    followup_lookup: str = "miss"
 
     @property
     def chunk(self) -> int:
@@ -99,6 +109,13 @@ def _scenarios() -> dict[str, Scenario]:
     add(Scenario("2048-c1-preempt", 8 * N, batched=2048, max_tokens=2 * N, preempt=True))
     add(Scenario("1blk-c2-8N", 8 * N, chunk_blocks=2))
     add(Scenario("1blk-c4-8N", 8 * N, chunk_blocks=4))
+    # Two requests, B after A on the same vLLM (--scenario two selects them):
+    # are B's new chunks stored after vLLM's own prefix-cache hit?
+    add(Scenario("2req-1blk-c1-8N", 8 * N, followup_chunks=4))
+    add(Scenario("2req-2048-c2-8N", 8 * N, chunk_blocks=2, batched=2048, followup_chunks=2,
+                 full_only=True))
+    add(Scenario("2req-1blk-c1-8N-hit", 8 * N, followup_chunks=4, followup_lookup="server",
+                 full_only=True))
     # Wider matrix: 4k/8k/16k/32k prompts x schedules x C.
     for prompt in (4096, 8192, 16384, 32768):
         for batched in (None, 2048, 8192):
@@ -794,6 +811,7 @@ def run_scenario(sc: Scenario, objects: str = "auto",
     if sc.preempt:
         sim.add("B", list(range(500_000, 500_000 + 4 * N)), 6 * N)
     sim.run()
+    two = run_followup(sim, first) if sc.followup_chunks else None
     res = {**base, "constructed": True, "patched": sim.patched, "steps": sim.phase.steps,
            "features": sim.features, "block_copies": sim.phase.block_copies,
            "checkpoint_writes": sim.truth.checkpoint_writes,
@@ -810,7 +828,10 @@ def run_scenario(sc: Scenario, objects: str = "auto",
            "num_model_inconsistencies": len(sim.truth.inconsistencies),
            "wrong_stores": [{"rid": w.rid, "end": w.end, "problems": w.problems[:4]}
                             for w in sim.server.writes if w.wrong_block][:20],
-           "second": analyse(sim, "A")}
+           # The two-request scenarios measure what LMCache holds after B
+           # (``two_request``); their A is a one-request scenario's A.
+           "second": analyse(sim, "A") if two is None else {},
+           **({"two_request": two} if two is not None else {})}
     res["wrong_state_hits"] = sum(v["wrong_state_hit"] for v in res["second"].values())
     # End to end, after a restart: the SSM state vLLM starts from after the
     # load is not the true one (None = nothing loaded: not counted).
@@ -824,6 +845,40 @@ def run_scenario(sc: Scenario, objects: str = "auto",
         v.get("restore", {}).get("reconstruction_disagreements", 0)
         for v in res["second"].values())
     return res
+
+
+def run_followup(sim: Sim, first: list[int]) -> dict[str, Any]:
+    """The two-request scenario, after A ran: B (A's prompt plus
+    ``followup_chunks`` new chunks, one output token) on the same vLLM, whose
+    prefix cache hits A's prompt.  What counts is what LMCache holds
+    afterwards: ``ideal`` is every chunk whose true state existed where a
+    scheduler-side connector could store it (``Truth.materialized``, A's and
+    B's; B's shared chunks have A's keys), ``stored`` those held with the
+    right KV and state; ``first_missing``: ``[start, end, request]``."""
+    sc = sim.sc
+    if sc.followup_lookup == "server":
+        sim.conn.scheduler_adapter.lookup = sim._lookup
+    new = list(range(800_000, 800_000 + sc.followup_chunks * sc.chunk))
+    sim.add("B", first + new, 1)
+    sim.run()
+    c = sc.chunk
+    ideal: dict[int, tuple[int, str]] = {}
+    for rid in ("A", "B"):
+        for b in sorted(sim.truth.materialized.get(rid, ())):
+            if b % c == 0:
+                ideal.setdefault(sim.digest(rid, b), (b, rid))
+
+    def usable(key: int) -> bool:
+        fa, state = sim.server.fa_objects.get(key), sim.server.mamba_objects.get(key)
+        return bool(fa and fa.fa_ok and state and state.mamba_end_ok)
+
+    missing = sorted(v for key, v in ideal.items() if not usable(key))
+    return {"b_vllm_local_hit": sim.first_computed.get("B", 0),
+            "b_prompt": len(first) + len(new),
+            "stored_tokens": c * (len(ideal) - len(missing)),
+            "ideal_tokens": c * len(ideal),
+            "first_missing": [missing[0][0] - c, *missing[0]] if missing else None,
+            "b_chunk_writes": [w.end for w in sim.server.writes if w.rid == "B"]}
 
 
 # -------------------------------------------------------------------- output
@@ -860,6 +915,13 @@ def markdown(results: list[dict[str, Any]]) -> str:
             rows.append("| " + " | ".join(cols + ["connector refuses config", "-", "-", "-", "-"])
                         + " |")
             continue
+        if r.get("two_request"):  # A then B on one vLLM: what LMCache holds
+            two = r["two_request"]
+            rows.append("| " + " | ".join(cols + [
+                f"{r['chunks_stored']} / {r['refused_chunks']} / {r['wrong_block_stores']}",
+                "-", f"A then B: {two['stored_tokens']} / {two['ideal_tokens']}", "-", "-"])
+                + " |")
+            continue
         sec = r["second"]
         cols += [f"{r['chunks_stored']} / {r['refused_chunks']} / {r['wrong_block_stores']}",
                  f"{r['wrong_state_hits']} / {r.get('wrong_state_restores', '-')}"]
@@ -873,7 +935,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", action="append", default=[],
-                    help="scenario name (repeatable); 'ci' = the CI subset, 'all' = every one")
+                    help="scenario name (repeatable); 'ci' = the CI subset, 'all' = every "
+                         "one, 'two' = the two-request ones")
     ap.add_argument("--json", action="store_true", help="print results as JSON")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     ap.add_argument("--out", help="also write the JSON results to this file")
@@ -909,6 +972,8 @@ def main(argv: list[str] | None = None) -> int:
             names += [s.name for s in SCENARIOS.values() if not s.full_only]
         elif n == "all":
             names += list(SCENARIOS)
+        elif n == "two":
+            names += [s.name for s in SCENARIOS.values() if s.followup_chunks]
         elif n in SCENARIOS:
             names.append(n)
         else:
