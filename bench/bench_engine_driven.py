@@ -203,7 +203,9 @@ class ModeRun:
         deadline = t0 + a.step_timeout
         while True:
             st = l1_status(spec)
-            if (st["staging_object_count"] == 0 and st["write_locked_count"] == 0) or time.perf_counter() > deadline:
+            # 0.5.3-0.5.5's /status has no staging_object_count (0.5.6 added it).
+            if (st.get("staging_object_count", 0) == 0 and st["write_locked_count"] == 0) \
+                    or time.perf_counter() > deadline:
                 break
             time.sleep(0.002)
         commit_wait_s = time.perf_counter() - t0
