@@ -9,7 +9,8 @@ healthy after).
 CI runs one cell: the patched 0.5.6 stack (hybrid-fa + engine-driven) on the tiny hybrid with
 vLLM's default max_num_batched_tokens (multi-block prefill steps), with the pristine 0.5.6
 build as its negative control (it must refuse at engine start).  Everything else (the negative
-controls on stored objects, one block per step, pure attention) needs LMCACHE_PATCHTOOL_FULL=1:
+controls on stored objects, one block per step, chunk = 2 blocks, pure attention at block 128 and 256)
+needs LMCACHE_PATCHTOOL_FULL=1:
 
     LMCACHE_PATCHTOOL_FULL=1 .venv/bin/python -m pytest tests/engine
 """
@@ -71,6 +72,14 @@ def test_damaged_tier_fails(tmp_path, engine_python, hybrid_model, damage, faili
 @full_only
 def test_stacked_056_hybrid_one_block_per_step(tmp_path, engine_python, hybrid_model):
     rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k",
+                               "--lmcache-overlay", str(overlay("0.5.6", STACK)))
+    _passes(rc, result, err)
+
+
+@full_only
+def test_stacked_056_hybrid_chunk_two_blocks(tmp_path, engine_python, hybrid_model):
+    rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k", "--chunk-size", "1280",
+                               "--keys", "2", "--max-num-batched-tokens", "0",
                                "--lmcache-overlay", str(overlay("0.5.6", STACK)))
     _passes(rc, result, err)
 
