@@ -7,7 +7,8 @@ import lives in this one uniquely named package, so no helper name
 (``procs``, ``geometry``, ...) can shadow or be shadowed by a module of the
 target environment.  Drivers used by the tests and the lent-device run
 (``ports_roundtrip``, ``ports_dcp_probe``, ``registration_probe``,
-``resync_sim``, ``roundtrip_device``, ``ed_lock_probe``) run as
+``resync_sim``, ``roundtrip_device``, ``ed_lock_probe``,
+``ed_staging_probe``) run as
 ``python -m lmcache_patchtool_verify.<name>`` with ``verify/`` on
 ``PYTHONPATH``.
 
