@@ -36,7 +36,8 @@ def apply(target: Target, pset: PatchSetDir, status: C.Status, *, patch_id: str 
         res.action = "dry-run"
         return res
     commit(target.state_dir, plan.changes)
-    res.action = "applied"
+    # Changes that only remove leftover state leave the install as it was.
+    res.action = "applied" if res.changed_files else "no-op"
     return res
 
 

@@ -19,6 +19,7 @@ from .manifest import STATE_FIXED_UPSTREAM, FileHash, Manifest, PatchSetDir
 from .errors import Refusal
 from .fsio import Reader
 from .record import Record, check_rows
+from .state import STATE_FILE, InstallState, Leftover, find_leftover
 from .target import Discovery, Target
 from .wheelbuild import read_provenance, split_local
 
@@ -125,6 +126,10 @@ class Status:
     # Why a stacked install is refused (half-stacked, or a drifted file
     # named with the image it should have had): {file, reason}.
     problem: dict | None = None
+    # Files of the state dir no record of this install names: another
+    # lmcache version's state after `pip install lmcache==X`, or orphaned
+    # saved files.  apply and revert remove them.
+    leftover_state: Leftover | None = None
 
 
 # Why: without layout-namespaced keys (revision 1 of the series) objects in a
@@ -199,8 +204,6 @@ def patch_set_key(target: Target) -> tuple[str, str | None]:
 def recorded_sets(target: Target) -> list[str]:
     """The sets this install says it carries, lowest first: a patched wheel's
     provenance, else the tool's state (empty when neither says)."""
-    from .state import STATE_FILE, InstallState
-
     prov = read_provenance(target.dist_info)
     if prov is not None:
         return [str(s["patch_set"]) for s in prov.get("sets", [])] or \
@@ -244,7 +247,18 @@ def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = Fal
     if discovery.target is not None:
         st.vllm_version = installed_version(discovery.site_dirs, "vllm")
         st.notes += vllm_notes(st.vllm_version, st.vllm_versions if st.patch_set else None)
+        st.leftover_state = _leftover(discovery.target, reader or Reader())
     return st
+
+
+def _leftover(t: Target, reader: Reader) -> Leftover | None:
+    path = t.state_dir / STATE_FILE
+    try:
+        data = reader.read(path)
+        state = None if data is None else InstallState.parse(data, path)
+        return find_leftover(t.state_dir, state, t.version, reader)
+    except Refusal:
+        return None  # a damaged state dir: apply and revert refuse it in one line
 
 
 def _set_state(pset: PatchSetDir, st: Status):

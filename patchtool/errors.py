@@ -9,6 +9,15 @@ from __future__ import annotations
 from .exitcodes import ExitCode
 
 
+def excerpt(text: str, limit: int = 80) -> str:
+    """Another program's output quoted in a refusal: one line, whitespace
+    collapsed, at most ``limit`` characters (a refusal stays one short line,
+    whatever the program printed; a shell echoing the probe script it was
+    handed printed ~600)."""
+    flat = " ".join(text.split()) or "no output"
+    return flat if len(flat) <= limit else flat[:limit - 1] + "…"
+
+
 class Refusal(Exception):
     code: ExitCode = ExitCode.REFUSED
 

@@ -202,3 +202,25 @@ class Reader:
             return sorted(cache.glob(f"{module.stem}.*.pyc"))
         except OSError as exc:
             raise refusal_for(cache, exc, "list it") from None
+
+    def entries(self, root: Path) -> list[Path]:
+        """Everything under ``root`` that is not a directory (files, and
+        symbolic links, to directories too, never followed), sorted; empty
+        when ``root`` does not exist."""
+        return list_entries(root)
+
+
+def list_entries(root: Path) -> list[Path]:
+    out: list[Path] = []
+
+    def fail(exc: OSError) -> None:
+        raise refusal_for(exc.filename or root, exc, "list it")
+
+    if not os.path.isdir(root) or os.path.islink(root):
+        return out
+    for dirpath, dirnames, filenames in os.walk(root, onerror=fail):
+        here = Path(dirpath)
+        links = [d for d in dirnames if os.path.islink(here / d)]
+        dirnames[:] = [d for d in dirnames if d not in links]
+        out += [here / name for name in filenames + links]
+    return sorted(out)

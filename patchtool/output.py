@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,14 +39,28 @@ def refusal(exc: Refusal, as_json: bool) -> None:
                                                "exit_code": int(exc.code)}}, indent=2) + "\n")
 
 
-def emit_human(kind: str, obj: Any, exit_code: int = 0) -> None:
-    from rich.console import Console
+# The width of output that goes to a pipe or a log file: wide enough that no
+# line is wrapped and no table cell is cut (rich assumes 80 columns there).
+_UNWRAPPED = 100_000
 
-    console = Console(highlight=False)
+
+def console():
+    """A console for people: a terminal's width (COLUMNS if set); for a pipe
+    or a log without COLUMNS, lines and table rows whole."""
+    from rich.console import Console  # lazy: rich is for the human path only
+
+    con = Console(highlight=False)
+    if not con.is_terminal and "COLUMNS" not in os.environ:
+        con = Console(highlight=False, width=_UNWRAPPED)
+    return con
+
+
+def emit_human(kind: str, obj: Any, exit_code: int = 0) -> None:
+    console_ = console()
     render = _RENDERERS[kind]
-    render(console, obj)
+    render(console_, obj)
     if exit_code:
-        console.print(f"exit code {int(exit_code)}")
+        console_.print(f"exit code {int(exit_code)}")
 
 
 _STYLE = {"pristine": "yellow", "patched": "green", "drifted": "red", "missing": "red",
@@ -61,11 +76,12 @@ def _styled(word: str | None) -> str:
 
 
 def _table(*cols: str):
-    from rich.table import Table
+    from rich.table import Table  # lazy: rich is for the human path only
 
     table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
     for c in cols:
-        table.add_column(c)
+        # fold, never an ellipsis: two paths that share a prefix must not print the same
+        table.add_column(c, overflow="fold")
     return table
 
 
@@ -107,6 +123,10 @@ def _render_status(console, st) -> None:
         console.print(f"disk keys   : {st.disk_tier_keys}")
     if st.next_command:
         console.print(f"next        : [bold]{st.next_command}[/]")
+    if st.leftover_state:
+        lo = st.leftover_state
+        console.print(f"[yellow]leftover[/]    : {lo.describe()} in {lo.dir}; apply or revert "
+                      "removes them")
     for note in st.notes:
         console.print(f"[yellow]note[/]        : {note}")
 
@@ -133,20 +153,35 @@ def _render_apply(console, r) -> None:
     console.print(f"{r.patch_set} revision {r.revision} through {r.through} on lmcache "
                   f"{r.lmcache_version}: {verb} ({files})")
     if r.removed_pyc:
-        console.print(f"removed {len(r.removed_pyc)} stale .pyc file(s)")
+        console.print(f"{_removed(r.action)} {len(r.removed_pyc)} stale .pyc file(s)")
+    _render_leftover(console, r)
     if r.state_after:
         console.print(f"state       : [bold]{_styled(r.state_after)}[/]")
     for note in r.notes:
         console.print(f"[yellow]note[/]        : {note}")
 
 
+def _removed(action: str) -> str:
+    return "would remove" if action == "dry-run" else "removed"
+
+
+def _render_leftover(console, r) -> None:
+    if r.leftover_state:
+        lo = r.leftover_state
+        console.print(f"{_removed(r.action)} {lo.describe()} ({lo.dir})")
+
+
 def _render_revert(console, r) -> None:
-    files = ", ".join(r.restored_files) or "none"
-    verb = {"reverted": "restored", "dry-run": "would restore", "no-op": "nothing to revert"}[r.action]
-    console.print(f"lmcache {r.lmcache_version}: {verb} ({files}) from {r.source}")
+    if r.restored_files:
+        verb = "would restore" if r.action == "dry-run" else "restored"
+        console.print(f"lmcache {r.lmcache_version}: {verb} ({', '.join(r.restored_files)}) "
+                      f"from {r.source}")
+    else:
+        console.print(f"lmcache {r.lmcache_version}: nothing to revert ({r.state_before})")
     if len(r.sets) + len(r.remaining) > 1 and r.action != "no-op":  # a stack
         left = ", ".join(r.remaining) or "none"
         console.print(f"sets        : peeled {', '.join(r.sets)}; still applied: {left}")
+    _render_leftover(console, r)
     if r.state_after:
         console.print(f"state       : [bold]{_styled(r.state_after)}[/]")
 

@@ -22,7 +22,8 @@ from .exitcodes import ExitCode
 from .fsio import Reader
 from .manifest import STATE_PATCH, FileHash, PatchSetDir
 from .record import Record, RecordRow
-from .state import LAYER_ORIGINALS, ORIGINALS, STATE_FILE, InstallState, LayerState, SavedFile
+from .state import (LAYER_ORIGINALS, ORIGINALS, STATE_FILE, InstallState, LayerState, Leftover,
+                    SavedFile, find_leftover, refuse_links)
 from .target import Target
 from .transaction import Change
 
@@ -42,6 +43,9 @@ class ApplyResult:
     # Per set of the stack, lowest first: {name, revision, through,
     # changed_files} (one entry for an unstacked set).
     sets: list[dict] = field(default_factory=list)
+    # Another version's state (or saved files no record names) removed in the
+    # same transaction (a dry run: that would be).
+    leftover_state: Leftover | None = None
     # What the operator must know about the disk tier once this build serves
     # (the same note `status` prints for a patched install).
     notes: list[str] = field(default_factory=list)
@@ -59,6 +63,8 @@ class RevertResult:
     # The sets peeled, top first, and those left applied (lowest first).
     sets: list[str] = field(default_factory=list)
     remaining: list[str] = field(default_factory=list)
+    # As ApplyResult.leftover_state.
+    leftover_state: Leftover | None = None
 
 
 @dataclass
@@ -217,6 +223,9 @@ class Overlay(Reader):
     def pycs(self, module):
         return self.base.pycs(module)
 
+    def entries(self, root):
+        return self.base.entries(root)
+
 
 def _layer_status(discovery, layers: list[PatchSetDir], i: int, reader: Reader) -> C.Status:
     """Layer ``i``'s own state over ``reader`` (the overlay), through its view."""
@@ -374,11 +383,11 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
     if plan.refusals:
         return plan
     try:
-        state = load_state(target, reader)
+        found = load_state(target, reader)
     except Refusal as r:
         return plan.refuse(r)
-    if state is not None and state.lmcache_version != target.version:
-        state = None  # left by another lmcache version; its originals are not ours
+    # A state left by another lmcache version: its originals are not ours.
+    state = found if found is not None and found.lmcache_version == target.version else None
 
     overlay = Overlay(reader)
     entries: list[LayerState | None] = []
@@ -417,7 +426,7 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
     res.changed_files = sorted(changed)
     if not changed:
         res.state_after = status.state
-        return plan
+        return _remove_leftover(plan, target, found, reader, set())
 
     # A layer already patched before this run but without a record (its
     # state was lost) gets one now, or revert could not peel it.
@@ -429,9 +438,9 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
                                        f"{target.version}, then apply"))
     new_state = InstallState(__version__, target.version, target.dist_info.name,
                              [e for e in entries if e is not None])
+    keep = {f.original for e in new_state.layers for f in e.files.values()}
     stale: list[Change] = []
     if state is not None:  # records of sets no longer applied (their files are at pre)
-        keep = {f.original for e in new_state.layers for f in e.files.values()}
         stale = [Change(target.state_dir / f.original, None) for la in state.layers
                  if la.patch_set not in new_state.set_names() for f in la.files.values()
                  if f.original not in keep]
@@ -441,6 +450,25 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
     pyc = _stale_pyc(target, res.changed_files, reader)
     res.removed_pyc = [str(c.path.relative_to(target.site)) for c in pyc]
     plan.changes = changes + stale + pyc
+    return _remove_leftover(plan, target, found, reader, keep | {STATE_FILE})
+
+
+def _remove_leftover(plan: Plan, target: Target, found: InstallState | None, reader: Reader,
+                     written: set[str]) -> Plan:
+    """Add the deletion of what of the state dir no record of this install
+    names (another version's state, orphaned saved files: what ``status``
+    reports) to ``plan``; ``written``: the state dir entries the plan itself
+    writes (replaced, not deleted)."""
+    try:
+        left = find_leftover(target.state_dir, found, target.version, reader)
+        refuse_links(target.state_dir, left, reader)
+    except Refusal as r:
+        return plan.refuse(r)
+    plan.result.leftover_state = left
+    if left is not None:
+        planned = {c.path for c in plan.changes}
+        plan.changes += [Change(target.state_dir / rel, None) for rel in left.files
+                         if rel not in written and target.state_dir / rel not in planned]
     return plan
 
 
@@ -453,16 +481,18 @@ def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
     res = plan.result
     assert isinstance(res, RevertResult)
     try:
-        state = load_state(target, reader)
+        found = load_state(target, reader)
         record = Record.read(target.record_path, reader.read)
     except Refusal as r:
         return plan.refuse(r)
+    # A state left by another lmcache version is a leftover (_remove_leftover).
+    state = found if found is not None and found.lmcache_version == target.version else None
     shipped = {p.name: p for p in (layers or ([pset] if pset is not None else []))}
     restore: dict[str, bytes] = {}
     new_rows: dict[str, RecordRow] = {}
     housekeeping: list[Change] = []
 
-    if state is not None and state.lmcache_version == target.version:
+    if state is not None:
         res.source = "saved originals"
         names = state.set_names()
         peel = list(reversed(state.layers))
@@ -546,10 +576,7 @@ def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
             restore[path] = data
             new_rows[path] = RecordRow(path, pre.hash, str(pre.size))
     elif status.state in (C.PRISTINE, C.UNSUPPORTED, C.FIXED_UPSTREAM, C.NOT_INSTALLED):
-        if state is not None:  # stale state of another lmcache version
-            housekeeping = [Change(target.state_dir / STATE_FILE, None)]
-            housekeeping += [Change(target.state_dir / i.original, None)
-                             for la in state.layers for i in la.files.values()]
+        pass  # nothing to restore; another version's state goes as a leftover
     else:
         try:
             refuse_state(status, target)
@@ -570,7 +597,7 @@ def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
     pyc = _stale_pyc(target, res.restored_files, reader)
     res.removed_pyc = [str(c.path.relative_to(target.site)) for c in pyc]
     plan.changes = changes + housekeeping + pyc
-    return plan
+    return _remove_leftover(plan, target, found, reader, set())
 
 
 def _reverse_layer(target: Target, layer: PatchSetDir, state: str,

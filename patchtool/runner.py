@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .errors import Refusal
+from .errors import Refusal, excerpt
 
 # Runs in the target interpreter WITHOUT -I: PYTHONPATH must apply.  find_spec
 # on a top-level name locates the package without executing it.
@@ -74,14 +74,22 @@ def probe(python: str, pythonpath: str | None) -> dict:
     if not Path(python).exists():
         raise Refusal(python, "no such interpreter")
     try:
-        proc = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True,
+        # On stdin ("-"), not argv: a program that is not Python cannot echo it back.
+        proc = subprocess.run([python, "-"], input=_PROBE, capture_output=True, text=True,
                               env=env.environ(), timeout=120)
     except OSError as exc:
         raise Refusal(python, f"cannot run interpreter: {exc.strerror or exc}") from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise Refusal(python, f"interpreter probe failed: {last}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise Refusal(python, f"interpreter probe failed: {excerpt(last)}")
+    try:
+        info = json.loads(proc.stdout.strip().splitlines()[-1])
+        if not isinstance(info, dict):
+            raise ValueError
+    except (ValueError, IndexError):
+        raise Refusal(python, "did not answer like a Python interpreter (printed: "
+                      f"{excerpt(proc.stdout, 60)!r})") from None
+    return info
 
 
 def resolve(python: str | None, site_packages: str | None, expect_site: Path | None,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import Refusal
+from .fsio import Reader
 from .manifest import FileHash
 from .record import RecordRow
 
@@ -150,3 +151,59 @@ class InstallState:
         else:
             obj = {"schema": SCHEMA_STACK, **head, "sets": [la.to_json() for la in self.layers]}
         return (json.dumps(obj, indent=2) + "\n").encode()
+
+
+# ---------------------------------------------------------------- leftovers
+
+
+@dataclass
+class Leftover:
+    """Files of the state dir that no record of THIS install names: the
+    state of another lmcache version (``pip install lmcache==X`` replaces the
+    package and never looks here, so the old version's state.json and saved
+    pristine files stay), or saved files no record lists any more.  None of
+    them can restore anything in this install; apply and revert remove them
+    in their own transaction, status and verify report them."""
+
+    dir: str
+    lmcache_version: str | None  # the version whose state.json is here; None: orphans only
+    files: list[str]  # relative to the state dir, sorted
+
+    def describe(self) -> str:
+        whose = (f"left by lmcache {self.lmcache_version}" if self.lmcache_version
+                 else "that no record names")
+        return f"{len(self.files)} file(s) of patchtool state {whose}"
+
+
+def saved_entries(state_dir: Path, reader: Reader) -> list[str]:
+    """Every entry under the trees of saved files (``originals/``,
+    ``layers/``), relative to ``state_dir``."""
+    return [str(p.relative_to(state_dir)) for tree in (ORIGINALS, LAYER_ORIGINALS)
+            for p in reader.entries(state_dir / tree)]
+
+
+def find_leftover(state_dir: Path, state: InstallState | None, version: str,
+                  reader: Reader) -> Leftover | None:
+    """What of the state dir belongs to no record of lmcache ``version``:
+    ``state`` (the parsed state.json) when it is another version's, and every
+    saved entry that ``state`` does not name when it is this version's."""
+    other = state is not None and state.lmcache_version != version
+    named: set[str] = set()
+    if state is not None and not other:
+        named = {f.original for la in state.layers for f in la.files.values()}
+    files = [e for e in saved_entries(state_dir, reader) if e not in named]
+    if other:
+        files.append(STATE_FILE)
+    if not files:
+        return None
+    return Leftover(str(state_dir), state.lmcache_version if other else None, sorted(files))
+
+
+def refuse_links(state_dir: Path, leftover: Leftover | None, reader: Reader) -> None:
+    """A symbolic link among the leftovers is not deleted on a guess: a
+    rollback would put a regular file where it was."""
+    for rel in (leftover.files if leftover else []):
+        link = reader.link_on(state_dir, rel)
+        if link is not None:
+            raise Refusal(link, "is a symbolic link inside patchtool's state dir; remove it "
+                          "by hand")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .distinfo import DIST as DIST_NAME  # the one owner of the project name
 from .distinfo import dists_in, read_metadata
-from .errors import NotInstalled, Refusal
+from .errors import NotInstalled, Refusal, excerpt
 
 # Run in the target interpreter with -I (isolated: no PYTHONPATH, no cwd on
 # sys.path, so a stray json.py cannot shadow the stdlib).  Only stdlib modules
@@ -118,7 +118,9 @@ def _parse_probe(python: str, stdout: str) -> tuple[str, str, list[str]]:
 def _probe_interpreter(python: str) -> tuple[str, str, list[str]]:
     exe = resolve_interpreter(python)
     try:
-        proc = subprocess.run([str(exe), "-I", "-c", _SITE_PROBE], capture_output=True,
+        # The script goes on stdin ("-"), not argv: a program that is not
+        # Python cannot echo it back into the refusal.
+        proc = subprocess.run([str(exe), "-I", "-"], input=_SITE_PROBE, capture_output=True,
                               text=True, errors="replace", timeout=60)
     except OSError as exc:
         raise Refusal(python, f"cannot run interpreter: {exc.strerror or exc}") from None
@@ -126,7 +128,7 @@ def _probe_interpreter(python: str) -> tuple[str, str, list[str]]:
         raise Refusal(python, "interpreter did not answer within 60 s") from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise Refusal(python, f"interpreter failed to report its site dirs: {last}")
+        raise Refusal(python, f"interpreter failed to report its site dirs: {excerpt(last)}")
     return _parse_probe(python, proc.stdout)
 
 
