@@ -7,9 +7,9 @@ harness, pristine and patched, with each version's real connector edits.
   0.5.6 passes them (its connector re-views hybrids); patched passes all.
 * The same with vLLM 0.30+'s GDN view (``*-v030``: ``(nb, 1, 1, content)``,
   unpadded row, padded stride(0)): pristine, no version round-trips it on CPU,
-  and each refuses loudly (docs/ports.md, "vLLM 0.30+ GDN view"); patched
-  0.5.5 and 0.5.6 round-trip it (``test_padded_block_stride.py``).  Pinned
-  here so a change shows.
+  and each refuses loudly (docs/ports.md, "vLLM 0.30+ GDN view"); patched,
+  every version round-trips it (``test_padded_block_stride.py``,
+  ``test_vllm030_registration.py``).  Pinned here so a change shows.
 
 Fast tier (``bash .ci/run``): one 576/64 cell, pristine and patched, on the
 oldest (0.5.3) and newest (0.5.6) series.  The rest is ``slow``; everything:
@@ -87,9 +87,10 @@ def test_new_presets(version, patched):
             assert_one_of_k(c, K[preset])
 
 
-# Patched 0.5.5 and 0.5.6 round-trip the view (part 09-padded-block-stride):
-# tests/ports/test_padded_block_stride.py.
-REFUSED = [(v, p) for v in ALL for p in (False, True) if not (p and v in ("0.5.5", "0.5.6"))]
+# Patched, every version round-trips the view: 0.5.5 and 0.5.6 with part
+# 09-padded-block-stride (tests/ports/test_padded_block_stride.py), 0.5.3 and
+# 0.5.4 with part 10-vllm030-registration (tests/ports/test_vllm030_registration.py).
+REFUSED = [(v, False) for v in ALL]
 
 
 @pytest.mark.slow

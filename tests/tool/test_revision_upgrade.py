@@ -1,7 +1,8 @@
 """The real series' revision bumps (2: 05-layout-keys, on 0.5.4+
 06-state-chunk-ends, on 0.5.3-0.5.5 07-lookup-reserves-last-token, appended;
-3: 08-block-state-from-vllm, appended; 4 on 0.5.5 and 0.5.6:
-09-padded-block-stride, appended): an install patched with an older
+3: 08-block-state-from-vllm, appended; 4: 09-padded-block-stride,
+10-vllm030-registration on 0.5.3/0.5.4, 11-local-hit-count on 0.5.3-0.5.5,
+12-l2-checksum, appended): an install patched with an older
 revision of the shipped series is recognised as ``patched-older-revision``,
 `status` names the command that upgrades it, `apply` brings it to the shipped
 revision touching only the files the newer parts change, and `revert` gives
@@ -35,11 +36,22 @@ ADDED_BY_07 = ["lmcache/integration/vllm/lmcache_mp_connector.py"]  # not on 0.5
 ADDED_BY_08 = {"0.5.3": ["lmcache/integration/vllm/lmcache_mp_connector.py"]}
 ADDED_BY_08_DEFAULT = ["lmcache/integration/vllm/lmcache_mp_connector.py",
                        "lmcache/integration/vllm/lmcache_mp_metadata.py"]
-ADDED_BY_09 = {"0.5.5": ["lmcache/v1/platform/cpu/cache_context.py", "lmcache/v1/platform/cpu/shm.py",
-                         "lmcache/v1/platform/torch_ops.py"],
+_ADDED_BY_09_CPU = ["lmcache/v1/platform/cpu/cache_context.py", "lmcache/v1/platform/cpu/shm.py",
+                    "lmcache/v1/platform/torch_ops.py"]
+ADDED_BY_09 = {"0.5.3": _ADDED_BY_09_CPU, "0.5.4": _ADDED_BY_09_CPU, "0.5.5": _ADDED_BY_09_CPU,
                "0.5.6": ["lmcache/v1/platform/devices/cpu/cache_context.py",
                          "lmcache/v1/platform/devices/cpu/shm.py",
                          "lmcache/v1/platform/torch_ops/mp_mem_kernels.py"]}
+# 10-vllm030-registration (revision 4, 0.5.3 and 0.5.4): the layout from the
+# views' strides, the state edit for vLLM 0.30+'s view, the server's
+# block-axis formats.
+ADDED_BY_10 = ["lmcache/integration/vllm/kv_cache_group_edits.py",
+               "lmcache/integration/vllm/lmcache_mp_connector.py",
+               "lmcache/integration/vllm/utils.py",
+               "lmcache/integration/vllm/vllm_multi_process_adapter.py",
+               "lmcache/v1/gpu_connector/utils.py"]
+# 11-local-hit-count (revision 4, 0.5.3-0.5.5): the connector's lookup result.
+ADDED_BY_11 = ["lmcache/integration/vllm/lmcache_mp_connector.py"]
 # 12-l2-checksum (revision 4, every version): the fs L2 adapter's checksum
 # trailer, and the fs_native adapter's refusal.
 ADDED_BY_12 = ["lmcache/v1/distributed/l2_adapters/fs_l2_adapter.py",
@@ -70,6 +82,10 @@ def added_files(version: str, revision: int) -> list[str]:
             files |= set(ADDED_BY_08.get(version, ADDED_BY_08_DEFAULT))
         elif name.startswith("09-"):
             files |= set(ADDED_BY_09[version])
+        elif name.startswith("10-"):
+            files |= set(ADDED_BY_10)
+        elif name.startswith("11-"):
+            files |= set(ADDED_BY_11)
         elif name.startswith("12-"):
             files |= set(ADDED_BY_12)
         else:
@@ -161,12 +177,13 @@ def test_revision2_install_upgrades_with_apply(tmp_path, bare_envs, version):
     assert tree_hashes(site_of(venv), SKIP) == fresh
 
 
-@pytest.mark.parametrize("version", ["0.5.6"] + (["0.5.5"] if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
-                                                  else []))
+@pytest.mark.parametrize("version", ["0.5.6"] + (["0.5.3", "0.5.4", "0.5.5"]
+                                                  if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
 def test_revision3_install_upgrades_with_apply(tmp_path, bare_envs, version):
-    """3 -> 4 (09-padded-block-stride, 12-l2-checksum): only the three files
-    part 09 changes and the two part 12 changes (and pip's RECORD) are
-    rewritten; revert is byte-exact."""
+    """3 -> 4 (09-padded-block-stride, 12-l2-checksum; 11-local-hit-count on
+    0.5.3-0.5.5, 10-vllm030-registration on 0.5.3/0.5.4): only the files
+    those parts change (and pip's RECORD) are rewritten; revert is
+    byte-exact."""
     assert shipped_revision(version) == 4
     venv = copy_venv(bare_envs[version], tmp_path / "venv")
     py = str(venv / "bin" / "python")
@@ -176,7 +193,8 @@ def test_revision3_install_upgrades_with_apply(tmp_path, bare_envs, version):
     r3_site = tree_hashes(site_of(venv), SKIP)
 
     res = upgrade_with_apply(py, version)
-    assert sorted(res["changed_files"]) == sorted(ADDED_BY_09[version] + ADDED_BY_12) == added_files(version, 3)
+    assert set(ADDED_BY_09[version] + ADDED_BY_12) <= set(res["changed_files"])
+    assert sorted(res["changed_files"]) == added_files(version, 3)
     r4_site = tree_hashes(site_of(venv), SKIP)
     changed = {p for p in set(r3_site) | set(r4_site) if r3_site.get(p) != r4_site.get(p)}
     assert {p for p in changed if not p.endswith("/RECORD")} == set(res["changed_files"])

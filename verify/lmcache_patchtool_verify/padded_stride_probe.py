@@ -35,7 +35,10 @@ from typing import Any
 
 import torch
 
-from lmcache.lmcache_native import EngineKVFormat, TransferDirection
+try:
+    from lmcache.lmcache_native import EngineKVFormat, TransferDirection
+except ImportError:  # 0.5.3: the native module is lmcache.c_ops
+    from lmcache.c_ops import EngineKVFormat, TransferDirection  # type: ignore[no-redef]
 from lmcache.v1.platform.ops_types import PageBufferShapeDesc
 
 try:  # 0.5.6: a package; the MP fallback lives in mp_mem_kernels
