@@ -111,7 +111,8 @@ def _strip_prefix(name: str, patch_file: Path) -> str:
 
 def parse_patch(path: Path) -> Patch:
     """Parse one patch file; refuse anything but modifications of text files."""
-    from unidiff import PatchSet  # imported lazily: status never needs it
+    # lazy: status never parses a patch, and unidiff is its slowest import
+    from unidiff import PatchSet
     from unidiff.errors import UnidiffParseError
 
     raw = path.read_bytes()

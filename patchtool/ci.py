@@ -75,7 +75,8 @@ def parse_requirements(path: Path) -> Pin:
     from packaging.requirements import InvalidRequirement, Requirement
 
     from .distinfo import DIST, canonical_name
-    from .wheelbuild import parse_pin, split_local
+    from .provenance import split_local
+    from .wheelbuild import parse_pin
 
     try:
         text = path.read_text(encoding="utf-8")
@@ -151,7 +152,7 @@ def run_ci(*, pin: str | None, requirements: str | None, wheel: str | None,
            vllm: str | None, allow_warnings: bool, work_dir: str | None, keep: bool,
            output_dir: str | None, timeout: float | None, echo: bool,
            roundtrip_matrix: str = "fast") -> CiResult:
-    from . import resources, runner, verify_checks as vc, wheelbuild
+    from . import provenance, resources, runner, verify_checks as vc, wheelbuild
     from .classify import classify
     from .manifest import STATE_FIXED_UPSTREAM
     from .target import discover
@@ -178,7 +179,7 @@ def run_ci(*, pin: str | None, requirements: str | None, wheel: str | None,
         def resolve(ph: Phase) -> None:
             if pin is not None:
                 version, _ = wheelbuild.parse_pin(pin)
-                public, tag, _ = wheelbuild.split_local(version)
+                public, tag, _ = provenance.split_local(version)
                 ctx["pin"] = Pin(public, pin, pin, version if tag else None)
             elif requirements is not None:
                 ctx["pin"] = parse_requirements(Path(requirements))
@@ -196,7 +197,7 @@ def run_ci(*, pin: str | None, requirements: str | None, wheel: str | None,
             chosen = set_name
             p = ctx["pin"]
             if p.pinned_local:  # a pin of a wheel this tool built names its top set
-                chosen = wheelbuild.pinned_set(resources.patches_root(), p.requirement or p.source,
+                chosen = provenance.pinned_set(resources.patches_root(), p.requirement or p.source,
                                                p.pinned_local, set_name)[1]
             pset = wheelbuild.locate_patch_set(resources.patches_root(), res.lmcache_version,
                                                chosen)

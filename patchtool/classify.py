@@ -2,60 +2,28 @@
 
 Per target file: pristine, patched, partial (series applied up to some
 patch), patched-older-revision, drifted or missing, by sha256 against the
-manifest (whose pre-images come from the wheel).  Overall: one state from
-STATES.  Pure reading: nothing here writes.
+manifest (whose pre-images come from the wheel).  Overall: one
+:class:`~patchtool.exitcodes.State`.  Pure reading: nothing here writes.
 """
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 from . import __version__
+from . import stack as S
 from .distinfo import installed_version
-from .exitcodes import ExitCode
+from .exitcodes import F_DRIFTED, F_MISSING, F_OLDER, F_PARTIAL, F_PATCHED, F_PRISTINE, State
 from .manifest import STATE_FIXED_UPSTREAM, FileHash, Manifest, PatchSetDir
 from .errors import Refusal
 from .fsio import Reader
+from .provenance import read_provenance, split_local, wheel_build_info
 from .record import Record, check_rows
 from .state import STATE_FILE, InstallState, Leftover, find_leftover
 from .target import Discovery, Target
-from .wheelbuild import read_provenance, split_local
-
-class State(str, Enum):
-    """The overall state of an install; each carries the exit code ``verify``
-    returns for it (README, "States"), so no table elsewhere maps the two."""
-
-    NOT_INSTALLED = ("not-installed", ExitCode.NOT_INSTALLED)
-    PRISTINE = ("pristine", ExitCode.PRISTINE)
-    PATCHED = ("patched", ExitCode.OK)
-    PATCHED_OLDER = ("patched-older-revision", ExitCode.PATCHED_OLDER_REVISION)
-    PARTIAL = ("partially-patched", ExitCode.PARTIALLY_PATCHED)
-    DRIFTED = ("drifted", ExitCode.DRIFTED)
-    UNSUPPORTED = ("unsupported-version", ExitCode.UNSUPPORTED_VERSION)
-    FIXED_UPSTREAM = ("fixed-upstream", ExitCode.FIXED_UPSTREAM)
-
-    def __new__(cls, value: str, exit_code: ExitCode) -> "State":
-        obj = str.__new__(cls, value)
-        obj._value_ = value
-        obj.exit_code = exit_code
-        return obj
-
-    def __str__(self) -> str:
-        return self.value
-
-    __format__ = str.__format__
-
-
-NOT_INSTALLED, PRISTINE, PATCHED, PATCHED_OLDER, PARTIAL, DRIFTED, UNSUPPORTED, \
-    FIXED_UPSTREAM = tuple(State)
-STATES = tuple(s.value for s in State)
-
-# Per-file states.
-F_PRISTINE, F_PATCHED, F_PARTIAL, F_OLDER, F_DRIFTED, F_MISSING = (
-    "pristine", "patched", "partial", "patched-older-revision", "drifted", "missing")
-
+from .vllm_compat import vllm_notes
 
 @dataclass
 class FileStatus:
@@ -182,8 +150,6 @@ def apply_command(target: Target, set_name: str | None = None) -> str:
     """The exact command that patches this install: what `status` and `verify`
     tell an operator after `pip install -U lmcache` or a revision bump
     (``--set`` for a stacked set, which is never the default)."""
-    import shlex
-
     where = (f"--python {shlex.quote(target.python)}" if target.python
              else f"--site-packages {shlex.quote(str(target.site))}")
     return f"patchtool apply {where}" + (f" --set {shlex.quote(set_name)}" if set_name else "")
@@ -219,24 +185,12 @@ def recorded_sets(target: Target) -> list[str]:
     return state.set_names()
 
 
-def wheel_build_info(target: Target) -> dict | None:
-    prov = read_provenance(target.dist_info)
-    public, tag, rev = split_local(target.version)
-    if prov is not None:
-        return prov
-    if tag is not None:
-        return {"version": target.version, "lmcache_version": public, "revision": rev}
-    return None
-
-
 def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = False,
              set_name: str | None = None, reader: Reader | None = None,
              stack: list[PatchSetDir] | None = None) -> Status:
     """Classify the install against ``pset``; with ``stack`` (its layers,
     lowest first, ``pset`` among them, maybe applied layers above it), against
     every layer (:mod:`patchtool.stack`)."""
-    from .vllm_compat import vllm_notes
-
     if stack and len(stack) > 1 and pset is not None:
         st = _classify_stack(discovery, stack, [p.name for p in stack].index(pset.name),
                              deep=deep, set_name=set_name, reader=reader)
@@ -261,10 +215,8 @@ def _leftover(t: Target, reader: Reader) -> Leftover | None:
         return None  # a damaged state dir: apply and revert refuse it in one line
 
 
-def _set_state(pset: PatchSetDir, st: Status):
-    from .stack import SetState
-
-    return SetState(pset.name, pset.manifest.revision, str(st.state), st.detail,
+def _set_state(pset: PatchSetDir, st: Status) -> S.SetState:
+    return S.SetState(pset.name, pset.manifest.revision, str(st.state), st.detail,
                     st.applied_through, list(pset.manifest.requires))
 
 
@@ -273,8 +225,6 @@ def _classify_stack(discovery: Discovery, layers: list[PatchSetDir], sel: int, *
     """Each layer judged through its view; the selected layer's status
     carries the stack: every file up to it, each set's state, and DRIFTED with
     a ``problem`` when the layers do not form a consistent stack."""
-    from . import stack as S
-
     reader = reader or Reader()
     t = discovery.target
     if t is None:
@@ -292,7 +242,7 @@ def _classify_stack(discovery: Discovery, layers: list[PatchSetDir], sel: int, *
                           view=vs[i]) for i, layer in enumerate(layers)]
     st = statuses[sel]
     st.sets = [_set_state(layer, s) for layer, s in zip(layers, statuses)]
-    if st.state in (UNSUPPORTED, FIXED_UPSTREAM):
+    if st.state in (State.UNSUPPORTED, State.FIXED_UPSTREAM):
         return st
     below = statuses[:sel + 1]
     by_path = {f.path: f for s in below for f in s.files}  # the highest layer's view wins
@@ -306,21 +256,21 @@ def _classify_stack(discovery: Discovery, layers: list[PatchSetDir], sel: int, *
     problem = S.half_stacked(layers, statuses)
     names = " + ".join(f"{p.name} revision {p.manifest.revision}" for p in layers[:sel + 1])
     if problem is not None:
-        st.state, st.detail = DRIFTED, f"{problem[0]}: {problem[1]}"
+        st.state, st.detail = State.DRIFTED, f"{problem[0]}: {problem[1]}"
         st.problem = {"file": problem[0], "reason": problem[1]}
         st.next_command = None
-    elif st.state == PRISTINE and any(s.state != PRISTINE for s in statuses[:sel]):
+    elif st.state == State.PRISTINE and any(s.state != State.PRISTINE for s in statuses[:sel]):
         done = ", ".join(f"{layers[i].name} {s.state}" for i, s in enumerate(statuses[:sel]))
-        st.state = PARTIAL
+        st.state = State.PARTIAL
         st.detail = f"{layers[sel].name} is not applied ({done})"
         st.next_command = apply_command(t, layers[sel].name) if st.wheel_build is None else None
-    elif st.state == PATCHED:
+    elif st.state == State.PATCHED:
         st.detail = f"patched with {names}" + (
             f" (installed from the patched wheel, lmcache {t.version})" if st.wheel_build else "")
     elif st.next_command is not None:
         st.next_command = apply_command(t, layers[sel].name)
     fmt = S.l2_format(layers[:sel + 1])
-    if st.state == PATCHED and fmt is not None:  # keys of the whole stack's build
+    if st.state == State.PATCHED and fmt is not None:  # keys of the whole stack's build
         st.disk_tier_keys = f"kvl{fmt}"
         st.notes = [n for n in st.notes if n != DISK_TIER_WARNING]
         note = disk_tier_note(layers[sel].manifest, fmt)
@@ -333,7 +283,7 @@ def _classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool,
               view: dict[str, FileHash] | None = None) -> Status:
     reader = reader or Reader()
     t = discovery.target
-    st = Status(NOT_INSTALLED, "lmcache is not installed", __version__, discovery.python,
+    st = Status(State.NOT_INSTALLED, "lmcache is not installed", __version__, discovery.python,
                 discovery.python_version, discovery.site_dirs)
     if t is None:
         return st
@@ -344,7 +294,7 @@ def _classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool,
 
     record_rows = Record.read(t.record_path, reader.read).rows
     if pset is None:
-        st.state = UNSUPPORTED
+        st.state = State.UNSUPPORTED
         st.detail = (f"no patch set{' ' + set_name if set_name else ''} for lmcache {t.version}")
         st.record = _record_summary(t.site, record_rows, set(), deep)
         return st
@@ -354,7 +304,7 @@ def _classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool,
     st.notes = list(m.notes)
     st.revision, st.vllm_versions = m.revision, m.vllm_versions
     if m.state == STATE_FIXED_UPSTREAM:
-        st.state, st.detail = FIXED_UPSTREAM, m.reason or "fixed upstream"
+        st.state, st.detail = State.FIXED_UPSTREAM, m.reason or "fixed upstream"
         st.record = _record_summary(t.site, record_rows, set(), deep)
         return st
 
@@ -408,16 +358,16 @@ def _classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool,
     common_steps = common_steps or set()
     older = [r for r, ok in older_ok.items() if ok]
     if n in common_steps:
-        st.state, st.detail = PATCHED, f"patched with {pset.name} revision {m.revision}"
+        st.state, st.detail = State.PATCHED, f"patched with {pset.name} revision {m.revision}"
         if st.wheel_build is not None:
             st.detail += f" (installed from the patched wheel, lmcache {t.version})"
     elif 0 in common_steps:
-        st.state, st.detail = PRISTINE, "files are as the wheel installed them"
+        st.state, st.detail = State.PRISTINE, "files are as the wheel installed them"
     elif older and not any_missing_or_drift:
         # Checked before "partial": a revision that appends a patch leaves the
         # previous revision's files at an intermediate step of the new series,
         # and an install that is exactly a shipped revision is that revision.
-        st.state = PATCHED_OLDER
+        st.state = State.PATCHED_OLDER
         st.detail = f"patched with revision {older[0]}; revision {m.revision} is shipped"
         prev = next(p for p in m.previous_revisions if p.revision == older[0])
         for fs in st.files:
@@ -425,25 +375,25 @@ def _classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool,
                 fs.state, fs.revision, fs.step = F_OLDER, older[0], None
     elif common_steps:
         k = max(common_steps)
-        st.state, st.applied_through = PARTIAL, ids[k - 1]
+        st.state, st.applied_through = State.PARTIAL, ids[k - 1]
         st.detail = f"series applied up to {ids[k - 1]} ({k} of {n})"
     else:
         bad = [f.path for f in st.files if f.state in (F_DRIFTED, F_MISSING)]
-        st.state = DRIFTED
+        st.state = State.DRIFTED
         st.detail = (f"{bad[0]} matches no known pristine or patched state" if bad
                      else "files are at different patch steps")
     st.disk_tier_keys = "pristine"
-    if st.state == PATCHED and m.l2_format is not None:
+    if st.state == State.PATCHED and m.l2_format is not None:
         st.disk_tier_keys = f"kvl{m.l2_format}"
         st.notes.append(disk_tier_note(m))
-    elif st.state in (PATCHED, PATCHED_OLDER, PARTIAL):
+    elif st.state in (State.PATCHED, State.PATCHED_OLDER, State.PARTIAL):
         # An older revision, or a series without namespaced keys: the
         # installed build may write pristine keys for sub-paged layouts.
         st.notes.append(DISK_TIER_WARNING)
-    if st.state in (PRISTINE, PATCHED_OLDER, PARTIAL) and st.wheel_build is None:
+    if st.state in (State.PRISTINE, State.PATCHED_OLDER, State.PARTIAL) and st.wheel_build is None:
         st.next_command = apply_command(t)
     inconsistent = [f.path for f in st.files if f.record_row == "mismatch"]
-    if inconsistent and st.state != PATCHED:
+    if inconsistent and st.state != State.PATCHED:
         st.notes.append(RECORD_MISMATCH_NOTE.format(path=inconsistent[0]))
     st.record = _record_summary(t.site, record_rows, set(m.files), deep)
     return st

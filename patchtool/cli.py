@@ -168,7 +168,8 @@ def _session(args, *, writes: bool) -> Iterator[tuple]:
     the patch set; yields (discovery, patch set or None, recovered count,
     its stack: the layers to classify by, lowest first)."""
     from . import resources
-    from .classify import patch_set_key, recorded_sets, wheel_build_info
+    from .classify import patch_set_key, recorded_sets
+    from .provenance import wheel_build_info
     from .manifest import find_patch_set
     from .stack import for_install
     from .target import discover
@@ -213,7 +214,7 @@ def _refuse_wheel_install(st, target, action: str) -> None:
     """A patched-wheel install is patched at build time and its upstream
     files were never on this machine: nothing here can be re-patched or
     restored in place."""
-    from .wheelbuild import split_local
+    from .provenance import split_local
 
     upstream = split_local(target.version)[0]
     if action == "revert":
@@ -249,7 +250,8 @@ def cmd_status(args) -> int:
 
 def cmd_apply(args) -> int:
     from . import actions
-    from .classify import PATCHED, classify, disk_tier_note
+    from .classify import classify, disk_tier_note
+    from .exitcodes import State
     from .manifest import STATE_PATCH
     from .planning import refuse_state
     from .target import require_target
@@ -262,7 +264,7 @@ def cmd_apply(args) -> int:
         st = classify(disc, pset, set_name=args.set_name, stack=layers)
         if pset is None:
             refuse_state(st, target)
-        if st.wheel_build is not None and (st.state != PATCHED or args.patch is not None):
+        if st.wheel_build is not None and (st.state != State.PATCHED or args.patch is not None):
             _refuse_wheel_install(st, target, "apply")
         res = actions.apply(target, pset, st, patch_id=args.patch, dry_run=args.dry_run,
                             accept_record_mismatch=args.accept_record_mismatch, layers=layers,
@@ -345,7 +347,7 @@ def cmd_verify(args) -> int:
     options = vc.CheckOptions()
     if args.edges_wheel:
         from .edges import check_given_wheel
-        from .wheelbuild import split_local
+        from .provenance import split_local
 
         # Before anything runs: another version's wheel would judge nothing.
         check_given_wheel(args.edges_wheel, split_local(disc.target.version)[0])
@@ -367,7 +369,7 @@ def cmd_verify(args) -> int:
 def cmd_wheel(args) -> int:
     import tempfile
 
-    from . import resources, wheelbuild
+    from . import provenance, resources, wheelbuild
 
     if not args.requirement and not args.from_wheel:
         raise Refusal("wheel", "give lmcache==VERSION, or --from FILE.whl", ExitCode.USAGE)
@@ -375,7 +377,7 @@ def cmd_wheel(args) -> int:
     pinned, set_name = version, args.set_name
     if version is not None:
         # A pin of a wheel this tool built names its sets: build that stack.
-        version, set_name = wheelbuild.pinned_set(resources.patches_root(), args.requirement,
+        version, set_name = provenance.pinned_set(resources.patches_root(), args.requirement,
                                                   version, set_name)
     if args.from_wheel:
         found = wheelbuild.wheel_version(Path(args.from_wheel))
@@ -388,7 +390,7 @@ def cmd_wheel(args) -> int:
     pset = wheelbuild.locate_patch_set(resources.patches_root(), version, set_name)
     layers = resolve(resources.patches_root(), pset)  # a stacked set builds its whole stack
     if pinned is not None and pinned != version:
-        builds = f"{version}+{wheelbuild.stack_tag([(p.name, p.manifest.revision) for p in layers])}"
+        builds = f"{version}+{provenance.stack_tag([(p.name, p.manifest.revision) for p in layers])}"
         if builds != pinned:  # another revision than the shipped ones: nothing is built
             raise Refusal(args.requirement, f"this patchtool builds {builds}, not {pinned}: pin "
                           f"lmcache=={builds}, or use the patchtool that shipped {pinned}")
@@ -418,16 +420,14 @@ def cmd_list(args) -> int:
 
 
 def cmd_manifest(args) -> int:
-    from .manifest import BuildSummary, build_manifest
+    from .manifest_build import build_manifest, summary
 
     m = build_manifest(Path(args.directory), Path(args.wheel), revision=args.revision,
                        vllm_versions=args.vllm_versions, upstream=args.upstream,
                        fixed_upstream=args.fixed_upstream, notes=args.notes,
                        l2_format=args.l2_format, requires=args.requires,
                        gate_transfer_modes=args.gate_transfer_modes)
-    summary = BuildSummary(str(Path(args.directory) / "manifest.json"), m.lmcache_version,
-                           m.state, m.revision, len(m.patches), len(m.files), m.to_json())
-    return _emit(args, "manifest", summary)
+    return _emit(args, "manifest", summary(Path(args.directory), m))
 
 
 def cmd_l2(args) -> int:

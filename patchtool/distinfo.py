@@ -17,6 +17,7 @@ runs without this tool's dependencies); ``zipfile`` is imported on use, so
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from email.parser import BytesHeaderParser
@@ -103,8 +104,6 @@ def read_metadata(dist_info: Path) -> Metadata:
 def dists_in(site_dir: str, project: str) -> list[Path]:
     """Every ``<project>-*.dist-info`` / ``.egg-info`` / ``.egg-link`` entry of
     one site dir, sorted (the one scan of a site dir for a project)."""
-    import os
-
     want = canonical_name(project)
     return sorted(Path(e.path) for e in os.scandir(site_dir) if project_of(e.name) == want)
 
@@ -184,7 +183,7 @@ class Wheel:
 
     @classmethod
     def open(cls, path: Path, project: str | None = DIST) -> "Wheel":
-        import zipfile
+        import zipfile  # lazy: status reads installs, never wheels, and starts faster without it
 
         path = Path(path)
         if not path.is_file():
@@ -244,6 +243,7 @@ class Wheel:
 
     def read(self, name) -> bytes:
         """A member's bytes (``name`` or a ZipInfo), NOT checked against RECORD."""
+        # lazy: status reads installs, never wheels, and starts faster without these
         import zipfile
         import zlib
 

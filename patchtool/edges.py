@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import Refusal
+from .runner import RunEnv, run_script
+from .wheelbuild import download, wheel_version
 
 # Presets whose byte classes cover the edges: hybrid k = 17, pure attention
 # k = 2, hybrid k = 1 and attention k = 1 (verify/lmcache_patchtool_verify/xver_outcome.py).
@@ -50,8 +52,6 @@ class EdgeRun:
 def pristine_wheel(python: str, version: str, dest: Path, given: str | None) -> Path:
     """The real lmcache wheel of ``version``: the one given (checked to be that
     version, and not a wheel this tool patched), or ``pip download``'s."""
-    from .wheelbuild import download
-
     if not given:
         return download(version, python, dest)
     return check_given_wheel(given, version)
@@ -59,8 +59,6 @@ def pristine_wheel(python: str, version: str, dest: Path, given: str | None) -> 
 
 def check_given_wheel(given: str, version: str) -> Path:
     """``--edges-wheel``: a real, unpatched lmcache wheel of ``version``."""
-    from .wheelbuild import wheel_version
-
     path = Path(given)
     found = wheel_version(path)  # refuses a missing file, a non-lmcache or a patched wheel
     if found != version:
@@ -79,10 +77,8 @@ def extract(wheel: Path, dest: Path) -> Path:
     return dest
 
 
-def _phase(env, script: Path, args: list[str], timeout: float | None, what: str):
-    from . import runner
-
-    run = runner.run_script(env, script, args, "--json-out", timeout=timeout)
+def _phase(env: RunEnv, script: Path, args: list[str], timeout: float | None, what: str):
+    run = run_script(env, script, args, "--json-out", timeout=timeout)
     rep = run.report
     if rep is None or rep.get("verdict") == "error":
         why = (rep or {}).get("reason") or next(
@@ -98,8 +94,6 @@ class EdgeError(Exception):
 def run_edges(env, verify_root: Path, version: str, *, wheel: str | None, presets: list[str],
               timeout: float | None) -> list[EdgeRun]:
     """Both edges of ``version`` in ``env`` (runner.RunEnv of the installed build)."""
-    from .runner import RunEnv
-
     script = verify_root / "restore_gate.py"
     presets = presets or list(EDGE_PRESETS)
     with tempfile.TemporaryDirectory(prefix="patchtool-edges-") as tmp:

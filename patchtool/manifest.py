@@ -1,21 +1,21 @@
-"""Patch-set manifests: generation from a real wheel, loading, and the
-patch-file integrity gate.
+"""Patch-set manifests: the record, loading it, the patch-file integrity
+gate, and finding the set for a version.
 
 A patch set for one LMCache version is a directory
 ``<root>/<set>/<lmcache-version>/`` holding ``NN-name.patch`` files and a
-``manifest.json`` produced by ``patchtool manifest build`` (never by hand).
-Field reference: README.md ("Manifest").
+``manifest.json`` produced by ``patchtool manifest build``
+(:mod:`patchtool.manifest_build`, never by hand).  Field reference:
+README.md ("Manifest").
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__
+from .applier import Patch, parse_patch
 from .errors import Refusal
 from .record import record_hash
 
@@ -181,7 +181,7 @@ def _requires(value: object, where: Path) -> list[str]:
 GATE_TRANSFER_MODES = ("lmcache_driven", "engine_driven")
 
 
-def _gate_transfer_modes(value: object, where: Path) -> list[str]:
+def check_gate_modes(value: object, where: Path) -> list[str]:
     """``gate_transfer_modes``: distinct names from :data:`GATE_TRANSFER_MODES`."""
     if not isinstance(value, list) or not all(v in GATE_TRANSFER_MODES for v in value) \
             or len(set(value)) != len(value):
@@ -218,7 +218,7 @@ def load_manifest(path: Path) -> Manifest:
             notes=[str(n) for n in raw.get("notes", [])],
             l2_format=None if raw.get("l2_format") is None else int(raw["l2_format"]),
             requires=_requires(raw.get("requires", []), path),
-            gate_transfer_modes=_gate_transfer_modes(raw.get("gate_transfer_modes", []), path),
+            gate_transfer_modes=check_gate_modes(raw.get("gate_transfer_modes", []), path),
             tool_version=raw["tool_version"],
             wheel=dict(raw["wheel"]),
             patches=[PatchEntry(str(p["id"]), str(p["file"]), str(p["sha256"]),
@@ -259,10 +259,8 @@ class PatchSetDir:
     def patch_files(self) -> list[Path]:
         return [self.path / p.file for p in self.manifest.patches]
 
-    def load_patches(self, upto: int | None = None) -> list:
+    def load_patches(self, upto: int | None = None) -> list[Patch]:
         """Parse the series (first ``upto`` patches).  Hashes were checked at load."""
-        from .applier import parse_patch
-
         files = self.patch_files()
         return [parse_patch(p) for p in files[: len(files) if upto is None else upto]]
 
@@ -333,147 +331,6 @@ def find_patch_set(root: Path, version: str, set_name: str | None) -> PatchSetDi
     return open_patch_set(matches[0][1])
 
 
-# ---------------------------------------------------------------- building
-
-
-def build_manifest(directory: Path, wheel: Path, *, revision: int | None = None,
-                   vllm_versions: list[str] | None = None, upstream: list[str] | None = None,
-                   fixed_upstream: str | None = None, notes: list[str] | None = None,
-                   l2_format: int | None = None, requires: list[str] | None = None,
-                   gate_transfer_modes: list[str] | None = None,
-                   write: bool = True) -> Manifest:
-    """Generate (and by default write) ``directory/manifest.json``.
-
-    Pre-images come from the wheel (each checked against the wheel's own
-    RECORD), post-images from applying the whole series with this tool's
-    applier.  Options not given are kept from an existing manifest, so a
-    rebuild with no options reproduces it exactly.
-
-    A stacked set (``requires``, given or kept) is built over its required
-    sets: each is applied to the wheel first (checked against its own
-    manifest), and this series' pre-images are the result, so a file a
-    required set edits has that set's post-image as its pre-image.
-    """
-    from .applier import APPLIES, apply_series, parse_patch
-    from .distinfo import Wheel
-
-    directory = Path(directory)
-    wheel = Path(wheel)
-    with Wheel.open(wheel) as whl:  # refuses a missing file, a non-wheel, another project
-        version = whl.version
-    existing = None
-    if (directory / MANIFEST_NAME).exists():
-        existing = load_manifest(directory / MANIFEST_NAME)
-    if revision is None:
-        revision = existing.revision if existing else 1
-    if vllm_versions is None:
-        vllm_versions = existing.vllm_versions if existing else []
-    if upstream is None:
-        upstream = existing.upstream if existing else []
-    if notes is None:
-        notes = existing.notes if existing else []
-    if requires is None:
-        requires = existing.requires if existing else []
-    if gate_transfer_modes is None:
-        gate_transfer_modes = existing.gate_transfer_modes if existing else []
-    gate_transfer_modes = _gate_transfer_modes(list(gate_transfer_modes), directory)
-    lower: list = []
-    if requires:
-        from .stack import l2_format as stack_l2_format, requirements
-
-        if directory.parent.name in requires:
-            raise Refusal(directory, f"{directory.parent.name} cannot require itself")
-        # Siblings in the same patches root: <root>/<required set>/<version>/.
-        lower = requirements(directory.parent.parent, directory.name, list(requires),
-                             _seen=(directory.parent.name,))
-    if l2_format is None:
-        # A new stacked set writes its base's disk-tier keys unless told otherwise.
-        l2_format = existing.l2_format if existing else (stack_l2_format(lower) if lower else None)
-    if fixed_upstream is None and existing and existing.state == STATE_FIXED_UPSTREAM:
-        fixed_upstream = existing.reason
-
-    if version != directory.name:
-        raise Refusal(wheel, f"is lmcache {version}, but the patch set directory is for {directory.name}")
-
-    previous: list[PreviousRevision] = []
-    if existing is not None:
-        if revision < existing.revision:
-            raise Refusal(directory / MANIFEST_NAME, f"has revision {existing.revision}; "
-                          f"refusing to build an older revision {revision}")
-        previous = list(existing.previous_revisions)
-        if revision > existing.revision and existing.state == STATE_PATCH:
-            # Keep the superseded revision's post-images: an install patched
-            # with it is then "patched-older-revision", not "drifted".
-            previous.insert(0, PreviousRevision(
-                existing.revision, {p.file: p.sha256 for p in existing.patches},
-                {k: v.post for k, v in existing.files.items()}))
-
-    patch_paths = sorted(directory.glob("*.patch"))
-    common = dict(patch_set=directory.parent.name, lmcache_version=version, revision=revision,
-                  requires=list(requires), gate_transfer_modes=list(gate_transfer_modes),
-                  vllm_versions=list(vllm_versions), upstream=list(upstream),
-                  notes=list(notes), l2_format=l2_format, tool_version=__version__,
-                  wheel={"filename": wheel.name, "sha256": sha256_file(wheel)},
-                  previous_revisions=previous)
-    if fixed_upstream is not None:
-        if patch_paths:
-            raise Refusal(patch_paths[0], "a fixed-upstream patch set must not contain patches")
-        manifest = Manifest(state=STATE_FIXED_UPSTREAM, reason=fixed_upstream, **common)
-    else:
-        if not patch_paths:
-            raise Refusal(directory, "contains no *.patch files (use --fixed-upstream REASON "
-                          "for a version that needs none)")
-        patches = [parse_patch(p) for p in patch_paths]
-        with Wheel.open(wheel) as whl:
-            def wheel_read(path: str) -> bytes | None:
-                # Pre-images are the wheel's files as its own RECORD vouches for them.
-                return whl.member(path) if whl.has(path) else None
-
-            below: dict[str, bytes] = {}
-            if lower:
-                from .stack import apply_layers
-
-                below = apply_layers(lower, wheel_read, lambda layer, path, why: Refusal(
-                    wheel, f"{path}: {why} (building over required set {layer.name})"))
-
-            def read(path: str) -> bytes | None:
-                # A stacked set's pre-images: the required sets' post-images.
-                return below[path] if path in below else wheel_read(path)
-
-            pristine: dict[str, FileHash] = {}
-            steps: dict[str, dict[str, FileHash]] = {}
-            for i, patch in enumerate(patches):
-                # Apply prefix by prefix so each step's cumulative hash is known.
-                result = apply_series(patches[: i + 1], read)
-                bad = [r for r in result.results if r.status != APPLIES]
-                if bad:
-                    r = bad[0]
-                    hunk = next((h for h in r.hunks if h.status != APPLIES), None)
-                    why = f"{r.path}: {r.status}" + (f" at {hunk.header}: {hunk.detail}" if hunk else "")
-                    onto = (f"{', '.join(requires)} applied to the wheel" if lower
-                            else "the pristine wheel")
-                    raise Refusal(patches[[p.id for p in patches].index(r.patch)].file,
-                                  f"does not apply to {onto} in series order ({why})")
-                for fp in patch.files:
-                    data = result.files[fp.path]
-                    assert data is not None
-                    steps.setdefault(fp.path, {})[patch.id] = FileHash.of(data)
-                    if fp.path not in pristine:
-                        pristine[fp.path] = FileHash.of(read(fp.path) or b"")
-        files = {path: FileEntry(pristine[path], list(steps[path].values())[-1], steps[path])
-                 for path in sorted(steps)}
-        manifest = Manifest(
-            state=STATE_PATCH,
-            patches=[PatchEntry(p.id, p.file.name, p.sha256, tuple(fp.path for fp in p.files))
-                     for p in patches],
-            files=files, **common)
-    if write:
-        tmp = directory / f".{MANIFEST_NAME}.tmp"
-        tmp.write_text(manifest.dumps(), encoding="utf-8")
-        os.replace(tmp, directory / MANIFEST_NAME)
-    return manifest
-
-
 @dataclass
 class ListRow:
     set: str
@@ -503,14 +360,3 @@ def list_patch_sets(root: Path) -> list[ListRow]:
                 row.requires = list(m.requires)
         rows.append(row)
     return rows
-
-
-@dataclass
-class BuildSummary:
-    path: str
-    lmcache_version: str
-    state: str
-    revision: int
-    patches: int
-    files: int
-    manifest: dict

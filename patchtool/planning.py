@@ -16,9 +16,10 @@ from typing import Callable
 
 from . import __version__
 from . import classify as C
+from . import stack as S
 from .applier import ALREADY, APPLIES, FileResult, Patch, apply_series, unapply_series
 from .errors import Refusal, TargetStateRefusal
-from .exitcodes import ExitCode
+from .exitcodes import F_DRIFTED, F_MISSING, ExitCode, State
 from .fsio import Reader
 from .manifest import STATE_PATCH, FileHash, PatchSetDir
 from .record import Record, RecordRow
@@ -99,18 +100,18 @@ def refuse_state(status: C.Status, target: Target) -> None:
         raise TargetStateRefusal(target.site / status.problem["file"],
                                  f"{status.problem['reason']}; refusing to patch",
                                  ExitCode.DRIFTED)
-    if status.state == C.UNSUPPORTED:
+    if status.state == State.UNSUPPORTED:
         raise TargetStateRefusal(target.dist_info, status.detail + " (see `patchtool list`)",
                                  ExitCode.UNSUPPORTED_VERSION)
-    if status.state == C.FIXED_UPSTREAM:
+    if status.state == State.FIXED_UPSTREAM:
         raise TargetStateRefusal(target.dist_info, f"lmcache {target.version} needs no patch: "
                                  f"{status.detail}", ExitCode.FIXED_UPSTREAM)
-    if status.state == C.DRIFTED:
-        bad = next((f for f in status.files if f.state in (C.F_DRIFTED, C.F_MISSING)), None)
+    if status.state == State.DRIFTED:
+        bad = next((f for f in status.files if f.state in (F_DRIFTED, F_MISSING)), None)
         if bad is None:
             raise TargetStateRefusal(target.dist_info, status.detail + "; revert first",
                                      ExitCode.DRIFTED)
-        what = ("is missing" if bad.state == C.F_MISSING else
+        what = ("is missing" if bad.state == F_MISSING else
                 f"has sha256 {bad.hash} (size {bad.size}), which is neither the wheel's "
                 f"pristine file ({bad.pristine_hash}) nor a patched state")
         raise TargetStateRefusal(target.site / bad.path, f"{what}; refusing to patch a drifted "
@@ -229,8 +230,6 @@ class Overlay(Reader):
 
 def _layer_status(discovery, layers: list[PatchSetDir], i: int, reader: Reader) -> C.Status:
     """Layer ``i``'s own state over ``reader`` (the overlay), through its view."""
-    from . import stack as S
-
     t = discovery.target
     actual = {}
     for path in S.all_files(layers):
@@ -255,8 +254,6 @@ def _plan_layer(target: Target, layers: list[PatchSetDir], i: int, status: C.Sta
                 accept_record_mismatch: bool, plan: Plan) -> _Layer | None:
     """Layer ``i`` of the stack applied through patch ``k`` over ``reader``;
     None when it refused (the refusal is on ``plan``)."""
-    from . import stack as S
-
     pset = layers[i]
     m = pset.manifest
     state = saved_layer
@@ -265,17 +262,17 @@ def _plan_layer(target: Target, layers: list[PatchSetDir], i: int, status: C.Sta
     except Refusal as r:
         plan.refuse(r)
         return None
-    if status.state == C.PARTIAL and status.applied_through is not None:
+    if status.state == State.PARTIAL and status.applied_through is not None:
         done = m.step_ids().index(status.applied_through) + 1
         if done > k:
             plan.refuse(Refusal(target.dist_info, f"already patched up to "
                                 f"{status.applied_through}, beyond {patch_id}; revert first"))
             return None
-    if status.state == C.PATCHED and k < len(m.patches):
+    if status.state == State.PATCHED and k < len(m.patches):
         plan.refuse(Refusal(target.dist_info, f"already patched with the whole series, "
                             f"beyond {patch_id}; revert first"))
         return None
-    if i < len(layers) - 1 and status.state == C.PATCHED:
+    if i < len(layers) - 1 and status.state == State.PATCHED:
         # A lower layer already patched: a file a higher layer also edits holds
         # that layer's bytes, which this layer's series must not be run on.
         return _Layer({}, state, [], [])
@@ -291,7 +288,7 @@ def _plan_layer(target: Target, layers: list[PatchSetDir], i: int, status: C.Sta
         assert data is not None  # missing files were refused as drifted
         if FileHash.of(data) == want:
             continue
-        if status.state == C.PATCHED_OLDER:
+        if status.state == State.PATCHED_OLDER:
             base = _original(target, pset, state, path, data, [], reader)
             if base is None:
                 plan.refuse(Refusal(target.site / path, "patched with an older revision and "
@@ -375,8 +372,6 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
     except Refusal as r:
         return plan.refuse(r)
     res.through = m.step_ids()[k_top - 1]
-    from . import stack as S
-
     for r in _links(target, S.all_files(stack) + [str(target.record_path.relative_to(target.site))],
                     reader):
         plan.refuse(r)
@@ -548,14 +543,14 @@ def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
         # A file a peeled layer shares with a kept one: its restored bytes are
         # the kept layer's post-image, so nothing to delete for it there.
     elif layers and len(layers) > 1 and status.problem is None and \
-            any(s.state in (C.PATCHED, C.PARTIAL) for s in status.sets):
+            any(s.state in (State.PATCHED, State.PARTIAL) for s in status.sets):
         # A stack without saved state: reverse each applied layer's series,
         # top first, over the layers above it already reversed in memory.
         res.source = "reverse patch"
         err = _reverse_stack(target, layers, status, reader, only, restore, new_rows, res)
         if err is not None:
             return plan.refuse(err)
-    elif status.state in (C.PATCHED, C.PARTIAL) and pset is not None and \
+    elif status.state in (State.PATCHED, State.PARTIAL) and pset is not None and \
             not (layers and len(layers) > 1):
         # No saved state (deleted by hand): reverse the series in memory and
         # accept the result only where it reproduces the wheel's hashes.
@@ -575,7 +570,7 @@ def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
             pre = m.hash_after(path, 0)
             restore[path] = data
             new_rows[path] = RecordRow(path, pre.hash, str(pre.size))
-    elif status.state in (C.PRISTINE, C.UNSUPPORTED, C.FIXED_UPSTREAM, C.NOT_INSTALLED):
+    elif status.state in (State.PRISTINE, State.UNSUPPORTED, State.FIXED_UPSTREAM, State.NOT_INSTALLED):
         pass  # nothing to restore; another version's state goes as a leftover
     else:
         try:
@@ -608,7 +603,7 @@ def _reverse_layer(target: Target, layer: PatchSetDir, state: str,
     pre-image, and the files where reversing does not give that pre-image
     (the caller refuses those: never guess)."""
     m = layer.manifest
-    k = len(m.patches) if state == C.PATCHED else m.step_ids().index(applied_through) + 1
+    k = len(m.patches) if state == State.PATCHED else m.step_ids().index(applied_through) + 1
     current = {p: read(target.site / p) for p in m.files}
     rev = unapply_series(layer.load_patches(k), lambda p: current.get(p))
     out: dict[str, bytes] = {}
@@ -635,7 +630,7 @@ def _reverse_stack(target: Target, layers: list[PatchSetDir], status: C.Status, 
     them.  Fills ``restore``/``new_rows``; returns the refusal, if any."""
     by_name = {s.name: s for s in status.sets}
     applied = [p for p in layers if p.manifest.state == STATE_PATCH
-               and by_name[p.name].state in (C.PATCHED, C.PARTIAL)]
+               and by_name[p.name].state in (State.PATCHED, State.PARTIAL)]
     peel = list(reversed(applied))
     if only is not None:
         if only not in [p.name for p in applied]:

@@ -24,8 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .applier import APPLIES, apply_series
 from .errors import Refusal
-from .manifest import MANIFEST_NAME, STATE_PATCH, FileHash, Manifest, PatchSetDir, open_patch_set
+from .exitcodes import F_DRIFTED, F_MISSING, F_PATCHED, State
+from .fsio import read_file
+from .manifest import (MANIFEST_NAME, STATE_PATCH, FileHash, Manifest, PatchSetDir, catalog,
+                       load_manifest, open_patch_set)
 
 
 # ---------------------------------------------------------------- resolving
@@ -116,8 +120,6 @@ def apply_layers(layers: list[PatchSetDir], read: Callable[[str], bytes | None],
     whole series, in order, to what ``read`` returns (the wheel's members).
     Each layer's input must be its pre-image and its output its post-image;
     otherwise ``refuse(layer, path, reason)`` is raised."""
-    from .applier import APPLIES, apply_series
-
     def default(layer: PatchSetDir, path: str, reason: str) -> Refusal:
         return Refusal(layer.path / MANIFEST_NAME, f"{path}: {reason}")
 
@@ -208,28 +210,26 @@ def half_stacked(layers: list[PatchSetDir], statuses: list) -> tuple[str, str] |
     """(file, reason) when the layers' states are not a consistent stack:
     a drifted file (named with what it should have been), or a layer applied
     over one that is not fully patched.  None when consistent."""
-    from . import classify as C
-
     for i in range(len(statuses) - 1, -1, -1):  # the highest layer that sees it drifted
-        bad = next((f for f in statuses[i].files if f.state in (C.F_DRIFTED, C.F_MISSING)), None)
+        bad = next((f for f in statuses[i].files if f.state in (F_DRIFTED, F_MISSING)), None)
         if bad is None:
             continue
-        if bad.state == C.F_MISSING:
+        if bad.state == F_MISSING:
             return bad.path, "is missing"
         images = [f"the wheel's file ({wheel_pre(layers, bad.path).hash})"] + [
             f"{p.name}'s post-image ({post(p.manifest, bad.path).hash})"
             for p in layers if bad.path in p.manifest.files]
         return bad.path, (f"has sha256 {bad.hash} (size {bad.size}), which is none of "
                           f"{', '.join(images)}, nor a step between them: drifted")
-    applied = [i for i, st in enumerate(statuses) if st.state != C.PRISTINE]
+    applied = [i for i, st in enumerate(statuses) if st.state != State.PRISTINE]
     if not applied:
         return None
     top = max(applied)
     for i in range(top):
         st = statuses[i]
-        if st.state == C.PATCHED or layers[i].manifest.state != STATE_PATCH:
+        if st.state == State.PATCHED or layers[i].manifest.state != STATE_PATCH:
             continue
-        f = next((f for f in st.files if f.state != C.F_PATCHED), None)
+        f = next((f for f in st.files if f.state != F_PATCHED), None)
         where = f.path if f is not None else layers[i].name
         return where, (f"{layers[i].name} is {st.state} ({f.state if f else '-'} here) under "
                        f"{layers[top].name}, which requires it patched and is {statuses[top].state}: "
@@ -274,9 +274,6 @@ def _applied_above(root: Path, layers: list[PatchSetDir], site: Path
                    ) -> list[PatchSetDir] | None:
     """The stack of a set requiring ``layers``' top one, when one of its
     files holds a step of its series (not its pre-image); else None."""
-    from .fsio import read_file
-    from .manifest import catalog, load_manifest
-
     top = layers[-1]
     for name, version, d in catalog(root):
         if version != top.version or name == top.name or not (d / MANIFEST_NAME).exists():

@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .distinfo import DIST as DIST_NAME  # the one owner of the project name
-from .distinfo import dists_in, read_metadata
+from .distinfo import dists_in, read_installer, read_json, read_metadata
 from .errors import NotInstalled, Refusal, excerpt
 
 # Run in the target interpreter with -I (isolated: no PYTHONPATH, no cwd on
@@ -133,9 +135,6 @@ def _probe_interpreter(python: str) -> tuple[str, str, list[str]]:
 
 
 def _own_site_dirs() -> list[str]:
-    import site
-    import sysconfig
-
     paths = sysconfig.get_paths()
     dirs = [paths.get("purelib"), paths.get("platlib")] + list(site.getsitepackages())
     if sys.prefix == sys.base_prefix and site.ENABLE_USER_SITE:
@@ -160,8 +159,6 @@ def _refuse_non_wheel_install(dist: Path) -> dict | None:
     if dist.suffix != ".dist-info":
         raise Refusal(dist, "legacy egg/develop install: its files are not a wheel's, "
                       "so no manifest hash can vouch for them; reinstall lmcache from its wheel")
-    from .distinfo import read_json
-
     direct_url = read_json(dist / "direct_url.json")
     if direct_url is None:
         return None
@@ -206,8 +203,6 @@ def discover(python: str | None = None, site_packages: str | None = None) -> Dis
     dist = found[0]
     direct_url = _refuse_non_wheel_install(dist)
     version = read_metadata(dist).version
-    from .distinfo import read_installer
-
     installer = read_installer(dist)
     if not (dist / "RECORD").is_file():
         # The spec says tools must not modify a distribution without RECORD.

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-from .classify import PATCHED, Status
-from .manifest import PatchSetDir
+from . import runner
+from .classify import Status
+from .exitcodes import ExitCode, State
+from .manifest import PatchSetDir, gate_modes
+from .provenance import split_local
 from .target import Target
 
 
@@ -38,7 +41,7 @@ from .target import Target
 class CheckOptions:
     """What the restore checks need; unused by the hash checks."""
 
-    env: Any = None  # runner.RunEnv: the interpreter and PYTHONPATH to run in
+    env: runner.RunEnv | None = None  # the interpreter and PYTHONPATH to run in
     presets: list[str] = field(default_factory=list)  # restore gate presets (default: all)
     extra_args: list[str] = field(default_factory=list)  # given after `--`
     timeout: float | None = None  # seconds before the script is killed
@@ -99,7 +102,7 @@ GPU_GATE = "gpu_gate.py"
 @register("files")
 def _files(ctx: CheckContext) -> CheckResult:
     bad = [f.path for f in ctx.status.files if f.state != "patched"]
-    ok = ctx.status.state == PATCHED and not bad
+    ok = ctx.status.state == State.PATCHED and not bad
     return CheckResult("files", ok, "every target file has the manifest's patched sha256" if ok
                        else f"not at the patched state: {', '.join(bad) or ctx.status.state}",
                        {"files": len(ctx.status.files)})
@@ -129,10 +132,8 @@ class VerifyResult:
 def run_verify(ctx: CheckContext, extra: list[str]) -> VerifyResult:
     """Exit 0 only for the current revision with every hash matching; the
     other states map to their own exit codes (README, "Exit codes")."""
-    from .exitcodes import ExitCode
-
     st = ctx.status
-    if st.state != PATCHED:
+    if st.state != State.PATCHED:
         return VerifyResult(False, st.state, st.state.exit_code, st)
     checks = [REGISTRY[name](ctx) for name in DEFAULT_CHECKS]
     failed = [c.name for c in checks if not c.ok]
@@ -150,7 +151,7 @@ def run_verify(ctx: CheckContext, extra: list[str]) -> VerifyResult:
     if errors:
         return VerifyResult(False, f"restore check error: {', '.join(errors)}",
                             ExitCode.RESTORE_ERROR, st, checks)
-    return VerifyResult(True, PATCHED, ExitCode.OK, st, checks)
+    return VerifyResult(True, State.PATCHED, ExitCode.OK, st, checks)
 
 
 # ---------------------------------------------------------------- restore checks
@@ -177,8 +178,6 @@ def _no_verdict(name: str, run, data: dict) -> CheckResult | None:
 
 def _restore_cpu_mode(ctx: CheckContext, mode: str) -> CheckResult:
     """One run of the restore gate in one LMCache transfer mode."""
-    from . import runner
-
     o = ctx.options
     args = [a for p in o.presets for a in ("--preset", p)]
     if mode != "lmcache_driven":  # the gate's default: its argv stays what it always was
@@ -209,8 +208,6 @@ def _restore_cpu(ctx: CheckContext) -> CheckResult:
     """The restore gate in every transfer mode the top set's manifest names
     (``gate_transfer_modes``; lmcache-driven alone by default, whose result
     keeps its single-run shape).  Every mode runs, and all must pass."""
-    from .manifest import gate_modes
-
     modes = gate_modes(ctx.patch_set.manifest if ctx.patch_set else None)
     results = {mode: _restore_cpu_mode(ctx, mode) for mode in modes}
     if len(results) == 1:
@@ -234,8 +231,6 @@ def _roundtrip_progress(line: str) -> bool:
 
 @register(ROUNDTRIP_CHECK)
 def _roundtrip(ctx: CheckContext) -> CheckResult:
-    from . import runner
-
     o = ctx.options
     # The harness logs LMCache's output on stderr: kept in the tail; a person
     # (``echo``) sees only its progress, one line per cell, failures included.
@@ -269,8 +264,8 @@ def _roundtrip(ctx: CheckContext) -> CheckResult:
 def _restore_cpu_edges(ctx: CheckContext) -> CheckResult:
     """Pristine -> installed and installed -> pristine over one fs tier
     (``patchtool.edges``): fails on any wrong hit."""
+    # lazy: only --edges runs it, and it brings the wheel builder (plain verify stays light)
     from .edges import EdgeError, run_edges
-    from .wheelbuild import split_local
 
     o = ctx.options
     version = split_local(ctx.target.version)[0]
@@ -303,8 +298,6 @@ def _restore_gpu(ctx: CheckContext) -> CheckResult:
 
 
 def _engine_gate(ctx: CheckContext, name: str, device: str) -> CheckResult:
-    from . import runner
-
     o = ctx.options
     args = list(o.extra_args)
     if not any(a == "--device" or a.startswith("--device=") for a in args):

@@ -17,99 +17,37 @@ Output is deterministic (see ``wheelzip``): same source wheel, same series,
 same tool version give the same sha256 on any machine, so it can be pinned
 with ``--hash`` in a requirements file.
 
-Module-level imports stay light: ``classify`` (on the ``status`` path) uses
-the local-version helpers below.
+The local version and the provenance file are named and read by
+:mod:`patchtool.provenance` (``status`` reads them without this module).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__
-from .distinfo import DIST
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
+
+from . import __version__, wheelzip
+from . import stack as S
+from .applier import APPLIES, apply_series
+from .distinfo import DIST, Wheel, canonical_name
 from .errors import Refusal
 from .exitcodes import ExitCode
-from .manifest import sha256_file
-
-PROVENANCE_FILE = "lmcache_patchtool.json"
-PROVENANCE_SCHEMA = "lmcache-patchtool/wheel-provenance/v1"
-# The local version this tool writes: "<set, alphanumerics only>.r<revision>" per
-# set of the stack, lowest first ("hybridfa.r3.enginedriven.r2").
-_SEGMENT = r"[a-z0-9]+\.r[0-9]+"
-_LOCAL = re.compile(rf"^(?P<public>[^+]+)\+(?P<local>{_SEGMENT}(?:\.{_SEGMENT})*)$")
-_PAIR = re.compile(r"([a-z0-9]+)\.r([0-9]+)")
-
-
-def set_tag(set_name: str) -> str:
-    """``hybrid-fa`` -> ``hybridfa``: a set's name in a local version ([a-z0-9])."""
-    return re.sub(r"[^a-z0-9]", "", set_name.lower())
-
-
-def local_tag(set_name: str, revision: int) -> str:
-    """``hybrid-fa``, 1 -> ``hybridfa.r1`` (PEP 440 local segments: [a-z0-9])."""
-    return set_tag(set_name) + f".r{revision}"
-
-
-def stack_tag(segments: list[tuple[str, int]]) -> str:
-    """[(``hybrid-fa``, 3), (``engine-driven``, 2)] -> ``hybridfa.r3.enginedriven.r2``:
-    every set of the stack and its revision, lowest first (PEP 440 local
-    segments, so pip and uv compare and install it like any local version)."""
-    return ".".join(local_tag(name, rev) for name, rev in segments)
-
-
-def split_stack(version: str) -> tuple[str, list[tuple[str, int]]]:
-    """``0.5.3+hybridfa.r3.enginedriven.r2`` -> (``0.5.3``, [(``hybridfa``, 3),
-    (``enginedriven``, 2)]); a version without this tool's tag -> (version, [])."""
-    m = _LOCAL.match(version)
-    if not m:
-        return version, []
-    return m["public"], [(t, int(r)) for t, r in _PAIR.findall(m["local"])]
-
-
-def split_local(version: str) -> tuple[str, str | None, int | None]:
-    """``0.5.3+hybridfa.r1`` -> (``0.5.3``, ``hybridfa``, 1); for a stack, the
-    top set's tag and revision; a version without this tool's local tag ->
-    (version, None, None)."""
-    public, segments = split_stack(version)
-    if not segments:
-        return version, None, None
-    return public, segments[-1][0], segments[-1][1]
-
-
-def pinned_set(root: Path, pin: str, version: str, set_name: str | None) -> tuple[str, str | None]:
-    """The upstream version and the patch set a pin names.  A pin of a wheel
-    this tool built (``0.5.3+hybridfa.r3.enginedriven.r2``) names its top set
-    by the last local segment's tag; ``--set`` (``set_name``) must then agree.
-    Any other version: (version, ``set_name``).  The revisions in the pin are
-    not checked here: callers compare the built wheel's version with it."""
-    public, segments = split_stack(version)
-    if not segments:
-        return version, set_name
-    tag = segments[-1][0]
-    names = sorted(d.name for d in root.iterdir() if d.is_dir() and set_tag(d.name) == tag) \
-        if root.is_dir() else []
-    if len(names) != 1:
-        raise Refusal(pin, f"names the patch set tag {tag!r}, which this patchtool does not ship"
-                      if not names else f"names the patch set tag {tag!r}, which matches "
-                      f"{', '.join(names)}")
-    if set_name is not None and set_name != names[0]:
-        raise Refusal(pin, f"pins a build of patch set {names[0]}, but --set names {set_name}",
-                      ExitCode.USAGE)
-    return public, names[0]
+from .manifest import (MANIFEST_NAME, STATE_FIXED_UPSTREAM, FileHash, catalog, find_patch_set,
+                       sha256_file)
+from .provenance import PROVENANCE_FILE, PROVENANCE_SCHEMA, split_local, stack_tag
+from .record import RecordRow
 
 
 def parse_pin(text: str) -> tuple[str, str]:
     """``lmcache==X`` -> (X, the requirement as given).  Anything but one
     exact ``==``/``===`` pin of lmcache is refused: the gate must know which
     wheel it tests."""
-    from packaging.requirements import InvalidRequirement, Requirement
-
-    from .distinfo import canonical_name
-
     try:
         req = Requirement(text)
     except InvalidRequirement as exc:
@@ -176,8 +114,6 @@ def check_source(whl, sha: str, manifest, pres: dict | None = None
     pre-image (``pres``: {path: hash} of a whole stack, the wheel's file for
     each) and every member matches the wheel's RECORD.  Returns
     (verified_by, warnings, {path: pristine bytes})."""
-    from .manifest import FileHash
-
     wheel = whl.path
     pristine: dict[str, bytes] = {}
     if pres is None:
@@ -210,8 +146,6 @@ def check_source(whl, sha: str, manifest, pres: dict | None = None
 
 
 def _new_filename(wheel: Path, old_version: str, new_version: str) -> str:
-    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
-
     try:
         parse_wheel_filename(wheel.name)
     except InvalidWheelFilename as exc:
@@ -239,13 +173,6 @@ def build(wheel: Path, pset, out_dir: Path, layers: list | None = None) -> Wheel
     """Build the patched wheel of ``wheel`` with patch set ``pset`` (for a
     stacked set, ``layers``: its whole stack, lowest first, applied in order)
     into ``out_dir``; refuses (nothing written) when the wheel does not match."""
-    from . import stack as S
-    from . import wheelzip
-    from .applier import APPLIES, apply_series
-    from .distinfo import Wheel
-    from .manifest import STATE_FIXED_UPSTREAM, FileHash
-    from .record import RecordRow
-
     wheel = Path(wheel)
     if not wheel.is_file():
         raise Refusal(wheel, "no such wheel file")
@@ -349,8 +276,6 @@ def _provenance(wheel: Path, src_sha: str, pset, verified_by: str, new_version: 
                 layers: list | None = None) -> bytes:
     """The provenance file.  The top-level set fields name the top set (what
     an unstacked wheel always had); a stack adds ``sets``, lowest first."""
-    from .manifest import FileHash
-
     m = pset.manifest
     doc = {
         "schema": PROVENANCE_SCHEMA,
@@ -381,8 +306,6 @@ def check_built(path: Path, version: str | None = None) -> None:
     """Re-read a built wheel: every CRC, its METADATA version, and every
     member against its RECORD.  A failure here is a bug in this module, so
     it is not a Refusal."""
-    from .distinfo import Wheel
-
     try:
         with Wheel.open(path) as whl:
             bad = whl.zf.testzip()
@@ -395,18 +318,9 @@ def check_built(path: Path, version: str | None = None) -> None:
         raise RuntimeError(f"built wheel {exc}") from None
 
 
-def read_provenance(dist_info: Path) -> dict | None:
-    """The provenance file of an installed patched wheel, or None."""
-    from .distinfo import read_json
-
-    return read_json(Path(dist_info) / PROVENANCE_FILE)
-
-
 def wheel_version(wheel: Path) -> str:
     """The lmcache version in a wheel's METADATA (refuses a non-lmcache wheel,
     and a wheel this tool patched)."""
-    from .distinfo import Wheel
-
     with Wheel.open(Path(wheel)) as whl:
         _read_source(whl)
         return whl.version
@@ -419,10 +333,6 @@ def locate_patch_set(root: Path, version: str, set_name: str | None):
     NO_PATCH_SET (a newer or in-between release: port the series, or ship a
     fixed-upstream manifest).  A fixed-upstream set is returned; callers
     decide what that means for them."""
-    from packaging.version import InvalidVersion, Version
-
-    from .manifest import MANIFEST_NAME, catalog, find_patch_set
-
     pset = find_patch_set(root, version, set_name)
     if pset is not None:
         return pset

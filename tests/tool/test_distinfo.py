@@ -17,7 +17,7 @@ from patchtool.distinfo import (Wheel, canonical_name, parse_metadata, project_o
 from patchtool.errors import Refusal
 from patchtool.exitcodes import ExitCode
 from patchtool.record import Record, RecordRow, record_hash
-from patchtool.wheelbuild import read_provenance
+from patchtool.provenance import read_provenance
 
 from .helpers import cli, tree_hashes
 

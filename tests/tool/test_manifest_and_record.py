@@ -9,7 +9,8 @@ import zipfile
 import pytest
 
 import provision
-from patchtool.manifest import SCHEMA, build_manifest, load_manifest
+from patchtool.manifest import SCHEMA, load_manifest
+from patchtool.manifest_build import build_manifest
 from patchtool.record import parse_record, record_hash, render_record, replace_rows, RecordRow
 
 from .conftest import F1, F2, F3, make_series
