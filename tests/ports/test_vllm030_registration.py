@@ -29,7 +29,8 @@ whose helpers these tests use).
 * tight strides keep bytes and keys: the existing presets give the same
   object sha256s and logged keys without and with parts 09-11, and vLLM
   0.30+'s registration of a model gets the keys and object sizes of vLLM
-  0.29's (``qwen35-bs576-v030`` against ``qwen35-bs576``).
+  0.29's (``qwen35-bs576-v030`` against ``qwen35-bs576``), and a disk tier
+  written by the one restores byte-exact into the other.
 * the CPU restore gate: hybrid-fa + engine-driven restores every ``*-v030``
   preset.  (lmcache-driven, set explicitly on a CPU worker, now takes the
   shared-memory path as with vLLM <= 0.29, whose staleness for Mamba state
@@ -38,7 +39,7 @@ whose helpers these tests use).
 CI (``bash .ci/run``): 0.5.4 only (the registration probe patched and
 pristine on vLLM 0.33.0, the fallback probe, four harness cells, the identity
 run).  ``LMCACHE_PATCHTOOL_FULL=1``: 0.5.3 too, vLLM 0.27.1, every cell, the
-native path, pristine's fallback and the gate.
+native path, pristine's fallback, the gate and the tier across a vLLM upgrade.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ from pathlib import Path
 import pytest
 
 from .harness_run import REPO, ports_harness, provision, series
-from .test_padded_block_stride import (SHM_ENGINE_DRIVEN, _stacked, assert_cells_pass,
-                                       objects_and_keys, probe, v030_cells)
+from .test_padded_block_stride import (SHM_ENGINE_DRIVEN, TIGHT_CELLS, TIGHT_CELLS_FULL, _stacked,
+                                       assert_cells_pass, objects_and_keys, probe, v030_cells)
 
 sys.path.insert(0, str(REPO / "tests" / "verify"))
 from test_restore_gate import assert_clean_pass, by_preset, run_gate  # noqa: E402
@@ -196,22 +197,13 @@ def test_v030_presets_round_trip_patched_native_path(version):
 # Tight strides keep their bytes and keys
 # ---------------------------------------------------------------------------
 
-TIGHT = ("preset=qwen35-0.8b,chunk_blocks=2,num_chunks=3,skip_blocks=1",
-         "preset=control-k1,chunk_blocks=1,num_chunks=2",
-         "preset=pure-attn-bs128,chunk_blocks=2,num_chunks=3,skip_blocks=1",
-         "preset=qwen35-bs576,chunk_blocks=1,num_chunks=2")
-TIGHT_FULL = ("preset=control-k1,chunk_blocks=2,num_chunks=2",
-              "preset=gdn-27b,chunk_blocks=1,num_chunks=2",
-              "preset=qwen35-tp4-bs320,chunk_blocks=2,num_chunks=3,skip_blocks=1",
-              "preset=qwen35-fa4-bs640,chunk_blocks=1,num_chunks=3",
-              "preset=qwen35-0.8b@float16,chunk_blocks=1,num_chunks=2")
-# qwen35-bs576 (in TIGHT) as vLLM 0.30+ registers it.
-TWIN, KEYED = TIGHT[3], ("preset=qwen35-bs576-v030,chunk_blocks=1,num_chunks=2",)
+# qwen35-bs576 (in TIGHT_CELLS) as vLLM 0.30+ registers it.
+TWIN, KEYED = TIGHT_CELLS[3], ("preset=qwen35-bs576-v030,chunk_blocks=1,num_chunks=2",)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_tight_strides_keep_their_bytes_and_keys(version):
-    tight = TIGHT + (TIGHT_FULL if FULL else ())
+    tight = TIGHT_CELLS + (TIGHT_CELLS_FULL if FULL else ())
     old, old_keys = objects_and_keys(version, without(version, OURS), tight)
     new, new_keys = objects_and_keys(version, series(version), tight + KEYED)
     for (cell, old_objs), (_, new_objs) in zip(old, new[:len(tight)]):
@@ -250,3 +242,27 @@ def test_restore_gate_engine_driven_restores_v030(version):
     for name in V030:
         assert_clean_pass(got[name])
         assert got[name]["fidelity"]["gdn"]["blocks_total"] > 0
+
+
+@pytest.mark.skipif(not FULL, reason="LMCACHE_PATCHTOOL_FULL=1: a disk tier across a vLLM upgrade")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_disk_tier_written_on_vllm_029_restores_on_vllm_030(version, tmp_path):
+    """One fs L2 tier across a vLLM upgrade: a writer registered as vLLM <=
+    0.29 does (``qwen35-bs576``), SIGKILLed; a fresh server and client that
+    register the same model as vLLM 0.30+ does (``qwen35-bs576-v030``: the
+    page-wide view) find every chunk and restore it byte-exact."""
+    overlay, tier = provision.overlay(version, series(version)), tmp_path / "tier"
+    tier.mkdir()
+    proc, _, _ = run_gate(_python(version), overlay, ["qwen35-bs576"], "--phase", "store", "--chunk-blocks", "1",
+                          "--l2-dir", str(tier), "--state-out", str(tmp_path / "v029.json"),
+                          "--model-prefix", "v029writer", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = json.loads((tmp_path / "v029.json").read_text())
+    (entry,) = state["presets"]
+    entry["preset"] = "qwen35-bs576-v030"  # the same model, tokens and expected bytes
+    (tmp_path / "v030.json").write_text(json.dumps(state))
+    proc, report, _ = run_gate(_python(version), overlay, [], "--phase", "restore", "--l2-dir", str(tier),
+                               "--state-in", str(tmp_path / "v030.json"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (got,) = report["presets"]
+    assert (got["preset"], got["verdict"], got["outcome"]) == ("qwen35-bs576-v030", "pass", "exact"), got
