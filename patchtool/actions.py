@@ -17,13 +17,14 @@ from .target import Target
 from .transaction import commit
 
 
-def apply(target: Target, pset: PatchSetDir, status: C.Status, *, patch_id: str | None = None,
+def apply(target: Target, pset: PatchSetDir, assessed: C.Assessment, *,
+          patch_id: str | None = None,
           dry_run: bool = False, accept_record_mismatch: bool = False,
           reader: Reader | None = None, layers: list[PatchSetDir] | None = None,
           discovery=None) -> ApplyResult:
     """Apply ``pset``; for a stacked set, with the layers below it that are
     not applied yet, in the same single transaction."""
-    plan = plan_apply(target, pset, status, reader or Reader(), patch_id=patch_id,
+    plan = plan_apply(target, pset, assessed, reader or Reader(), patch_id=patch_id,
                       accept_record_mismatch=accept_record_mismatch, layers=layers,
                       discovery=discovery)
     plan.raise_first()
@@ -41,11 +42,11 @@ def apply(target: Target, pset: PatchSetDir, status: C.Status, *, patch_id: str 
     return res
 
 
-def revert(target: Target, pset: PatchSetDir | None, status: C.Status, *,
+def revert(target: Target, pset: PatchSetDir | None, assessed: C.Assessment, *,
            dry_run: bool = False, reader: Reader | None = None,
            layers: list[PatchSetDir] | None = None, only: str | None = None) -> RevertResult:
     """Peel every applied set, top first, or with ``only`` just the top one."""
-    plan = plan_revert(target, pset, status, reader or Reader(), layers=layers, only=only)
+    plan = plan_revert(target, pset, assessed, reader or Reader(), layers=layers, only=only)
     plan.raise_first()
     res = plan.result
     assert isinstance(res, RevertResult)

@@ -9,7 +9,7 @@ manifest (whose pre-images come from the wheel).  Overall: one
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import __version__
@@ -185,24 +185,74 @@ def recorded_sets(target: Target) -> list[str]:
     return state.set_names()
 
 
+@dataclass
+class Assessment:
+    """One classification of an install, kept whole for the command that
+    acts on it: apply and revert plan from it instead of classifying again."""
+
+    status: Status  # what status prints: the selected set, with its stack
+    # Each layer's own state through its view, lowest first (unstacked:
+    # ``[status]``).  How planning sees a layer before changing it.
+    layers: list[Status]
+    record: Record | None  # RECORD as read, parsed once (None: not installed)
+
+
+class _OneRecord:
+    """RECORD read and parsed at most once per classification, when first
+    needed (so refusals keep their order)."""
+
+    def __init__(self, target: Target, reader: Reader) -> None:
+        self.target, self.reader = target, reader
+        self.record: Record | None = None
+
+    def get(self) -> Record:
+        if self.record is None:
+            self.record = Record.read(self.target.record_path, self.reader.read)
+        return self.record
+
+
 def classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = False,
              set_name: str | None = None, reader: Reader | None = None,
              stack: list[PatchSetDir] | None = None) -> Status:
     """Classify the install against ``pset``; with ``stack`` (its layers,
     lowest first, ``pset`` among them, maybe applied layers above it), against
     every layer (:mod:`patchtool.stack`)."""
-    if stack and len(stack) > 1 and pset is not None:
-        st = _classify_stack(discovery, stack, [p.name for p in stack].index(pset.name),
-                             deep=deep, set_name=set_name, reader=reader)
+    return assess(discovery, pset, deep=deep, set_name=set_name, reader=reader,
+                  stack=stack).status
+
+
+def assess(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = False,
+           set_name: str | None = None, reader: Reader | None = None,
+           stack: list[PatchSetDir] | None = None) -> Assessment:
+    """:func:`classify`, keeping each layer's status and the parsed RECORD."""
+    reader = reader or Reader()
+    t = discovery.target
+    record = _OneRecord(t, reader) if t is not None else None
+    if stack and len(stack) > 1 and pset is not None and t is not None:
+        st, layers = _classify_stack(discovery, stack, [p.name for p in stack].index(pset.name),
+                                     deep=deep, set_name=set_name, reader=reader, record=record)
     else:
-        st = _classify(discovery, pset, deep=deep, set_name=set_name, reader=reader)
+        st = _classify(discovery, pset, deep=deep, set_name=set_name, reader=reader,
+                       record=record)
+        layers = [st]
         if pset is not None:
             st.sets = [_set_state(pset, st)]
-    if discovery.target is not None:
+    if t is not None:
         st.vllm_version = installed_version(discovery.site_dirs, "vllm")
         st.notes += vllm_notes(st.vllm_version, st.vllm_versions if st.patch_set else None)
-        st.leftover_state = _leftover(discovery.target, reader or Reader())
-    return st
+        st.leftover_state = _leftover(t, reader)
+    return Assessment(st, layers, record.record if record is not None else None)
+
+
+def layer_statuses(discovery: Discovery, layers: list[PatchSetDir], reader: Reader,
+                   record: Record) -> list[Status]:
+    """Each of ``layers``' own status through its view of the stack they form."""
+    t = discovery.target
+    assert t is not None
+    once = _OneRecord(t, reader)
+    once.record = record
+    return _views_classified(discovery, layers, deep=False, set_name=None, reader=reader,
+                             record=once)
 
 
 def _leftover(t: Target, reader: Reader) -> Leftover | None:
@@ -221,29 +271,21 @@ def _set_state(pset: PatchSetDir, st: Status) -> S.SetState:
 
 
 def _classify_stack(discovery: Discovery, layers: list[PatchSetDir], sel: int, *, deep: bool,
-                    set_name: str | None, reader: Reader | None) -> Status:
+                    set_name: str | None, reader: Reader, record: _OneRecord
+                    ) -> tuple[Status, list[Status]]:
     """Each layer judged through its view; the selected layer's status
     carries the stack: every file up to it, each set's state, and DRIFTED with
-    a ``problem`` when the layers do not form a consistent stack."""
-    reader = reader or Reader()
+    a ``problem`` when the layers do not form a consistent stack.  Returns it
+    and each layer's own status (as judged before the stack was summed up)."""
     t = discovery.target
-    if t is None:
-        return _classify(discovery, layers[sel], deep=deep, set_name=set_name, reader=reader)
-    actual: dict[str, FileHash | None] = {}
-    for path in S.all_files(layers):
-        link = reader.link_on(t.site, path)
-        if link is not None:
-            raise Refusal(link, f"is a symbolic link (on the path of {path}); patchtool "
-                          "classifies and edits only regular files inside site-packages")
-        data = reader.read(t.site / path)
-        actual[path] = None if data is None else FileHash.of(data)
-    vs = S.views(layers, actual)
-    statuses = [_classify(discovery, layer, deep=deep, set_name=set_name, reader=reader,
-                          view=vs[i]) for i, layer in enumerate(layers)]
+    assert t is not None
+    statuses = _views_classified(discovery, layers, deep=deep, set_name=set_name,
+                                 reader=reader, record=record)
+    own = [replace(s) for s in statuses]
     st = statuses[sel]
     st.sets = [_set_state(layer, s) for layer, s in zip(layers, statuses)]
     if st.state in (State.UNSUPPORTED, State.FIXED_UPSTREAM):
-        return st
+        return st, own
     below = statuses[:sel + 1]
     by_path = {f.path: f for s in below for f in s.files}  # the highest layer's view wins
     st.files = [by_path[p] for p in S.all_files(layers[:sel + 1])]
@@ -251,8 +293,7 @@ def _classify_stack(discovery: Discovery, layers: list[PatchSetDir], sel: int, *
     for s in below:
         notes += [n for n in s.notes if n not in notes]
     st.notes = notes
-    st.record = _record_summary(t.site, Record.read(t.record_path, reader.read).rows,
-                                set(by_path), deep)
+    st.record = _record_summary(t.site, record.get().rows, set(by_path), deep)
     problem = S.half_stacked(layers, statuses)
     names = " + ".join(f"{p.name} revision {p.manifest.revision}" for p in layers[:sel + 1])
     if problem is not None:
@@ -275,13 +316,30 @@ def _classify_stack(discovery: Discovery, layers: list[PatchSetDir], sel: int, *
         st.notes = [n for n in st.notes if n != DISK_TIER_WARNING]
         note = disk_tier_note(layers[sel].manifest, fmt)
         st.notes += [note] if note not in st.notes else []
-    return st
+    return st, own
+
+
+def _views_classified(discovery: Discovery, layers: list[PatchSetDir], *, deep: bool,
+                      set_name: str | None, reader: Reader, record: _OneRecord) -> list[Status]:
+    """Each layer's status through its view (:func:`patchtool.stack.views`)."""
+    t = discovery.target
+    assert t is not None
+    actual: dict[str, FileHash | None] = {}
+    for path in S.all_files(layers):
+        link = reader.link_on(t.site, path)
+        if link is not None:
+            raise Refusal(link, f"is a symbolic link (on the path of {path}); patchtool "
+                          "classifies and edits only regular files inside site-packages")
+        data = reader.read(t.site / path)
+        actual[path] = None if data is None else FileHash.of(data)
+    vs = S.views(layers, actual)
+    return [_classify(discovery, layer, deep=deep, set_name=set_name, reader=reader,
+                      record=record, view=vs[i]) for i, layer in enumerate(layers)]
 
 
 def _classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool,
-              set_name: str | None, reader: Reader | None,
+              set_name: str | None, reader: Reader, record: _OneRecord | None,
               view: dict[str, FileHash] | None = None) -> Status:
-    reader = reader or Reader()
     t = discovery.target
     st = Status(State.NOT_INSTALLED, "lmcache is not installed", __version__, discovery.python,
                 discovery.python_version, discovery.site_dirs)
@@ -292,7 +350,8 @@ def _classify(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool,
     st.install_source = (t.direct_url or {}).get("url", "index") if t.direct_url else "index"
     st.wheel_build = wheel_build_info(t)
 
-    record_rows = Record.read(t.record_path, reader.read).rows
+    assert record is not None
+    record_rows = record.get().rows
     if pset is None:
         st.state = State.UNSUPPORTED
         st.detail = (f"no patch set{' ' + set_name if set_name else ''} for lmcache {t.version}")

@@ -250,7 +250,7 @@ def cmd_status(args) -> int:
 
 def cmd_apply(args) -> int:
     from . import actions
-    from .classify import classify, disk_tier_note
+    from .classify import assess, classify, disk_tier_note
     from .exitcodes import State
     from .manifest import STATE_PATCH
     from .planning import refuse_state
@@ -261,12 +261,13 @@ def cmd_apply(args) -> int:
 
     with _session(args, writes=not args.dry_run) as (disc, pset, _, layers):
         target = require_target(disc)
-        st = classify(disc, pset, set_name=args.set_name, stack=layers)
+        assessed = assess(disc, pset, set_name=args.set_name, stack=layers)
+        st = assessed.status
         if pset is None:
             refuse_state(st, target)
         if st.wheel_build is not None and (st.state != State.PATCHED or args.patch is not None):
             _refuse_wheel_install(st, target, "apply")
-        res = actions.apply(target, pset, st, patch_id=args.patch, dry_run=args.dry_run,
+        res = actions.apply(target, pset, assessed, patch_id=args.patch, dry_run=args.dry_run,
                             accept_record_mismatch=args.accept_record_mismatch, layers=layers,
                             discovery=disc)
         if res.action == "applied":
@@ -279,16 +280,16 @@ def cmd_apply(args) -> int:
 
 def cmd_revert(args) -> int:
     from . import actions
-    from .classify import classify
+    from .classify import assess, classify
     from .target import require_target
 
     with _session(args, writes=not args.dry_run) as (disc, pset, _, layers):
         target = require_target(disc)
-        st = classify(disc, pset, set_name=args.set_name, stack=layers)
-        if st.wheel_build is not None:
-            _refuse_wheel_install(st, target, "revert")
+        assessed = assess(disc, pset, set_name=args.set_name, stack=layers)
+        if assessed.status.wheel_build is not None:
+            _refuse_wheel_install(assessed.status, target, "revert")
         # --set NAME peels only NAME, which must be the top of the stack.
-        res = actions.revert(target, pset, st, dry_run=args.dry_run, layers=layers,
+        res = actions.revert(target, pset, assessed, dry_run=args.dry_run, layers=layers,
                              only=args.set_name)
         if res.action == "reverted":
             # What is left is judged as the set now on top (after peeling

@@ -228,15 +228,22 @@ class Overlay(Reader):
         return self.base.entries(root)
 
 
-def _layer_status(discovery, layers: list[PatchSetDir], i: int, reader: Reader) -> C.Status:
-    """Layer ``i``'s own state over ``reader`` (the overlay), through its view."""
-    t = discovery.target
-    actual = {}
-    for path in S.all_files(layers):
-        data = reader.read(t.site / path)
-        actual[path] = None if data is None else FileHash.of(data)
-    return C._classify(discovery, layers[i], deep=False, set_name=None, reader=reader,
-                       view=S.views(layers, actual)[i])
+def _own_statuses(assessed: C.Assessment, stack: list[PatchSetDir], layers: list[PatchSetDir],
+                  discovery, reader: Reader) -> list[C.Status]:
+    """Each layer of ``stack``'s own status, which planning applies it from.
+
+    The assessment's, when it judged exactly this stack.  Applying a layer
+    in memory does not change what the layers above it see: a file a lower
+    layer has not finished is, through a higher layer's view, at that layer's
+    pre-image, and so it is once the lower layer is done.  With sets applied
+    above the selected one (``layers`` longer than ``stack``), each layer is
+    judged by ``stack`` alone, as the selected set sees it."""
+    if len(layers) == 1:
+        return [assessed.status]
+    if len(stack) == len(layers):
+        return assessed.layers
+    assert assessed.record is not None
+    return C.layer_statuses(discovery, stack, reader, assessed.record)
 
 
 @dataclass
@@ -250,10 +257,12 @@ class _Layer:
 
 
 def _plan_layer(target: Target, layers: list[PatchSetDir], i: int, status: C.Status,
-                reader: Reader, saved_layer: LayerState | None, *, k: int, patch_id: str | None,
-                accept_record_mismatch: bool, plan: Plan) -> _Layer | None:
-    """Layer ``i`` of the stack applied through patch ``k`` over ``reader``;
-    None when it refused (the refusal is on ``plan``)."""
+                reader: Reader, record: Record, saved_layer: LayerState | None, *, k: int,
+                patch_id: str | None, accept_record_mismatch: bool,
+                plan: Plan) -> _Layer | None:
+    """Layer ``i`` of the stack applied through patch ``k`` over ``reader``
+    (``record``: RECORD as the layers below leave it); None when it refused
+    (the refusal is on ``plan``)."""
     pset = layers[i]
     m = pset.manifest
     state = saved_layer
@@ -310,11 +319,6 @@ def _plan_layer(target: Target, layers: list[PatchSetDir], i: int, status: C.Sta
         return _Layer({}, state, [], table.results)
 
     # RECORD rows of the touched files, and the state that revert relies on.
-    try:
-        record = Record.read(target.record_path, reader.read)
-    except Refusal as r:
-        plan.refuse(r)
-        return None
     for path in new_bytes:
         row = record.row(path)
         if row is None:
@@ -352,12 +356,15 @@ def _plan_layer(target: Target, layers: list[PatchSetDir], i: int, status: C.Sta
     return _Layer(new_bytes, entry, originals, table.results)
 
 
-def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Reader, *,
+def plan_apply(target: Target, pset: PatchSetDir, assessed: C.Assessment, reader: Reader, *,
                patch_id: str | None = None, accept_record_mismatch: bool = False,
                layers: list[PatchSetDir] | None = None, discovery=None) -> Plan:
     """Apply ``pset`` and, for a stacked set, every layer below it that is not
     yet applied, lowest first, each planned over the layers below it in
-    memory: one plan, so one transaction commits the whole stack."""
+    memory: one plan, so one transaction commits the whole stack.
+    ``assessed``: the install as classified under the lock (nothing here
+    classifies it again or re-reads RECORD)."""
+    status = assessed.status
     layers = list(layers or [pset])
     sel = [p.name for p in layers].index(pset.name)
     stack = layers[:sel + 1]
@@ -385,6 +392,9 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
     state = found if found is not None and found.lmcache_version == target.version else None
 
     overlay = Overlay(reader)
+    own = _own_statuses(assessed, stack, layers, discovery, reader)
+    assert assessed.record is not None
+    record = assessed.record
     entries: list[LayerState | None] = []
     originals: list[Change] = []
     changed: dict[str, bytes] = {}
@@ -392,11 +402,11 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
         if len(stack) > 1 and layer.manifest.state != STATE_PATCH:
             entries.append(None)  # a fixed-upstream requirement: nothing to apply or record
             continue
-        st_i = status if len(layers) == 1 else _layer_status(discovery, stack, i, overlay)
         k = k_top if i == sel else len(layer.manifest.patches)
         saved = state.layer(layer.name) if state is not None else None
-        lp = _plan_layer(target, stack, i, st_i, overlay, saved, k=k, patch_id=patch_id,
-                         accept_record_mismatch=accept_record_mismatch, plan=plan)
+        lp = _plan_layer(target, stack, i, own[i], overlay, record, saved, k=k,
+                         patch_id=patch_id, accept_record_mismatch=accept_record_mismatch,
+                         plan=plan)
         if lp is None:
             res.state_after = None
             return plan
@@ -411,12 +421,11 @@ def plan_apply(target: Target, pset: PatchSetDir, status: C.Status, reader: Read
         entries.append(lp.entry)
         originals += lp.originals
         if lp.new_bytes:
-            record = Record.read(target.record_path, overlay.read)
-            new_record = record.with_rows({p: RecordRow(p, FileHash.of(b).hash, str(len(b)))
-                                           for p, b in lp.new_bytes.items()})
+            record = record.with_rows({p: RecordRow(p, FileHash.of(b).hash, str(len(b)))
+                                       for p, b in lp.new_bytes.items()})
             for p, b in lp.new_bytes.items():
                 overlay.pending[target.site / p] = b
-            overlay.pending[target.record_path] = new_record.render()
+            overlay.pending[target.record_path] = record.render()
             changed.update(lp.new_bytes)
     res.changed_files = sorted(changed)
     if not changed:
@@ -467,17 +476,19 @@ def _remove_leftover(plan: Plan, target: Target, found: InstallState | None, rea
     return plan
 
 
-def plan_revert(target: Target, pset: PatchSetDir | None, status: C.Status,
+def plan_revert(target: Target, pset: PatchSetDir | None, assessed: C.Assessment,
                 reader: Reader, *, layers: list[PatchSetDir] | None = None,
                 only: str | None = None) -> Plan:
     """Peel the applied sets, top first: all of them, or with ``only`` (the
     ``--set`` given) just that one, which must be the top of the stack."""
+    status = assessed.status
     plan = Plan(RevertResult("no-op", target.version, "none", str(status.state)))
     res = plan.result
     assert isinstance(res, RevertResult)
+    assert assessed.record is not None
+    record = assessed.record
     try:
         found = load_state(target, reader)
-        record = Record.read(target.record_path, reader.read)
     except Refusal as r:
         return plan.refuse(r)
     # A state left by another lmcache version is a leftover (_remove_leftover).
