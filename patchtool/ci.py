@@ -24,8 +24,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from packaging.requirements import InvalidRequirement, Requirement
+
+from . import resources, runner, wheelbuild
+from . import verify_checks as vc
+from .classify import classify
+from .distinfo import DIST, canonical_name
 from .errors import Refusal
 from .exitcodes import ExitCode
+from .manifest import STATE_FIXED_UPSTREAM, PatchSetDir
+from .provenance import pinned_set, split_local
+from .stack import resolve as resolve_stack
+from .target import discover
+from .wheelbuild import WheelBuild, parse_pin
 
 PASS, FAIL, ERROR, WARN, SKIPPED = "pass", "fail", "error", "warn", "skipped"
 PHASES = ("resolve", "patch-set", "fetch", "build", "install", "verify", "roundtrip", "restore")
@@ -72,12 +83,6 @@ def parse_requirements(path: Path) -> Pin:
     """The exact lmcache pin (and a vllm pin, if any) of a requirements file.
     Options lines (``-r``, ``--index-url``) are skipped; ``--hash`` options
     on the lmcache line are kept to compare with the rebuilt wheel."""
-    from packaging.requirements import InvalidRequirement, Requirement
-
-    from .distinfo import DIST, canonical_name
-    from .provenance import split_local
-    from .wheelbuild import parse_pin
-
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -147,165 +152,217 @@ class _Gate:
         self.result.warnings.append(text)
 
 
+@dataclass
+class _Inputs:
+    """What the command line gave the gate."""
+
+    pin: str | None
+    requirements: str | None
+    wheel: str | None
+    python: str  # the interpreter the phases run in
+    set_name: str | None
+    presets: list[str]
+    vllm: str | None
+    output_dir: str | None
+    timeout: float | None
+    echo: bool
+    roundtrip_matrix: str
+
+
+class _Phases:
+    """The gate's phases, in order; each fills in what the next one needs
+    (``None`` until its phase has run).  :class:`_Gate` runs them."""
+
+    def __init__(self, given: _Inputs, res: CiResult, gate: _Gate, scratch: Path,
+                 probe: dict) -> None:
+        self.given, self.res, self.gate, self.scratch, self.probe = given, res, gate, scratch, probe
+        self.pin: Pin | None = None
+        self.vllm: str | None = None
+        self.pset: PatchSetDir | None = None
+        self.layers: list[PatchSetDir] = []
+        self.wheel: Path | None = None
+        self.build: WheelBuild | None = None
+        self.site: Path | None = None
+        self.vctx: vc.CheckContext | None = None
+
+    def resolve(self, ph: Phase) -> None:
+        """The lmcache version the input pins (and the deployment's vLLM)."""
+        g = self.given
+        if g.pin is not None:
+            version, _ = parse_pin(g.pin)
+            public, tag, _ = split_local(version)
+            self.pin = Pin(public, g.pin, g.pin, version if tag else None)
+        elif g.requirements is not None:
+            self.pin = parse_requirements(Path(g.requirements))
+        else:
+            assert g.wheel is not None
+            self.pin = Pin(wheelbuild.wheel_version(Path(g.wheel)), g.wheel, None)
+        p = self.pin
+        self.res.lmcache_version = p.version
+        self.vllm = g.vllm or p.vllm or self.probe.get("vllm")
+        ph.detail = f"lmcache {p.version}" + (f" (pinned as {p.pinned_local})"
+                                              if p.pinned_local else "") + \
+            (f", vLLM {self.vllm}" if self.vllm else ", vLLM not pinned")
+        ph.data = {"version": p.version, "requirement": p.requirement, "vllm": self.vllm}
+
+    def patch_set(self, ph: Phase) -> None:
+        """The shipped set (and its stack) for that version."""
+        assert self.pin is not None and self.res.lmcache_version is not None
+        chosen, p = self.given.set_name, self.pin
+        if p.pinned_local:  # a pin of a wheel this tool built names its top set
+            chosen = pinned_set(resources.patches_root(), p.requirement or p.source,
+                                p.pinned_local, chosen)[1]
+        pset = wheelbuild.locate_patch_set(resources.patches_root(), self.res.lmcache_version,
+                                           chosen)
+        m = pset.manifest
+        self.res.patch_set, self.res.revision = pset.name, m.revision
+        if m.state == STATE_FIXED_UPSTREAM:
+            raise Refusal(pset.path / "manifest.json", f"lmcache {pset.version} needs no "
+                          f"patch: {m.reason}", ExitCode.FIXED_UPSTREAM)
+        self.pset = pset
+        self.layers = layers = resolve_stack(resources.patches_root(), pset)
+        below = "".join(f"{p.name} revision {p.manifest.revision} + " for p in layers[:-1])
+        ph.detail = (f"{below}{pset.name} revision {m.revision}, {len(m.patches)} patches, "
+                     f"vLLM verified: {', '.join(m.vllm_versions) or '-'}")
+        ph.data = {"path": str(pset.path), "vllm_versions": m.vllm_versions}
+        if self.vllm and self.vllm not in m.vllm_versions:
+            self.gate.warn(ph, f"the deployment's vLLM {self.vllm} is not among the versions "
+                           f"the patch set was verified with "
+                           f"({', '.join(m.vllm_versions) or 'none'})")
+
+    def fetch(self, ph: Phase) -> None:
+        """The real upstream wheel: the one given, or pip download's."""
+        if self.given.wheel is not None:
+            self.wheel = Path(self.given.wheel)
+            ph.detail = f"local file {self.wheel.name}"
+            return
+        assert self.res.lmcache_version is not None
+        self.wheel = wheelbuild.download(self.res.lmcache_version, self.given.python,
+                                         self.scratch / "download")
+        ph.detail = f"downloaded {self.wheel.name}"
+
+    def build_wheel(self, ph: Phase) -> None:
+        """The patched wheel, and what about it the operator must know."""
+        assert self.wheel is not None and self.pset is not None and self.pin is not None
+        b = wheelbuild.build(self.wheel, self.pset, self.scratch / "wheel", self.layers)
+        self.build = b
+        self.res.wheel = {k: getattr(b, k) for k in ("filename", "sha256", "version",
+                                                     "requirement", "source")}
+        ph.detail = (f"{b.filename} sha256 {b.sha256[:16]}… (source verified by "
+                     f"{b.source['verified_by']})")
+        for w in b.warnings:
+            self.gate.warn(ph, w)
+        p = self.pin
+        if p.pinned_local and p.pinned_local != b.version:
+            self.gate.warn(ph, f"the requirements pin {p.pinned_local}, but the shipped patch "
+                           f"set builds {b.version}")
+        if p.pinned_hashes and b.sha256 not in p.pinned_hashes:
+            self.gate.warn(ph, f"the requirements' --hash for lmcache does not match the "
+                           f"rebuilt wheel (sha256 {b.sha256})")
+        if self.given.output_dir:
+            dest = Path(self.given.output_dir)
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(b.path, dest / b.filename)
+            self.res.wheel["path"] = str(dest / b.filename)
+
+    def install(self, ph: Phase) -> None:
+        """``pip install --no-deps --target`` of the patched wheel into scratch."""
+        assert self.build is not None
+        site = self.scratch / "site"
+        shutil.rmtree(site, ignore_errors=True)
+        cmd = [self.given.python, "-m", "pip", "install", "--no-deps", "--no-index",
+               "--disable-pip-version-check", "-q", "--target", str(site), self.build.path]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise Refusal(self.build.filename, f"pip install --target failed: {last}",
+                          ExitCode.PIP_FAILED)
+        self.site = site
+        ph.detail = f"pip install --no-deps --target {site}"
+
+    def verify(self, ph: Phase) -> None:
+        """The install is ``patched`` with every hash matching; then the
+        environment the restore phases run in."""
+        assert self.site is not None and self.pset is not None
+        disc = discover(None, str(self.site))
+        st = classify(disc, self.pset, deep=True, stack=self.layers)
+        assert disc.target is not None
+        vr = vc.run_verify(vc.CheckContext(disc.target, st, self.pset,
+                                           resources.verify_root()), [])
+        ph.data = {"state": st.state, "checks": [c.name for c in vr.checks if c.ok],
+                   "sets": [{"name": s.name, "revision": s.revision, "state": s.state}
+                            for s in st.sets]}
+        if not vr.ok:
+            ph.result, ph.exit_code = FAIL, vr.exit_code
+            ph.detail = f"installed wheel is {vr.verdict}: {st.detail}"
+            return
+        rec = st.record
+        ph.detail = f"status patched, {rec.checked if rec else 0} RECORD rows verified"
+        g = self.given
+        env = runner.resolve(g.python, str(self.site), self.site,
+                             "the ci gate's round-trip and restore phases")
+        self.vctx = vc.CheckContext(disc.target, st, self.pset, resources.verify_root(),
+                                    vc.CheckOptions(env=env, presets=g.presets,
+                                                    timeout=g.timeout, echo=g.echo,
+                                                    matrix=g.roundtrip_matrix))
+
+    def check(self, name: str) -> Callable[[Phase], None]:
+        """A registered restore check (verify_checks) as a phase."""
+        def run(ph: Phase) -> None:
+            assert self.vctx is not None
+            c = vc.REGISTRY[name](self.vctx)
+            ph.detail, ph.data = c.detail, c.data
+            if not c.ok:
+                ph.result = ERROR if c.error else FAIL
+                ph.exit_code = ExitCode.RESTORE_ERROR if c.error else ExitCode.RESTORE_FAILED
+        return run
+
+
 def run_ci(*, pin: str | None, requirements: str | None, wheel: str | None,
            python: str | None, set_name: str | None, presets: list[str] | None,
            vllm: str | None, allow_warnings: bool, work_dir: str | None, keep: bool,
            output_dir: str | None, timeout: float | None, echo: bool,
            roundtrip_matrix: str = "fast") -> CiResult:
-    from . import provenance, resources, runner, verify_checks as vc, wheelbuild
-    from .classify import classify
-    from .manifest import STATE_FIXED_UPSTREAM
-    from .target import discover
-
     started = time.monotonic()
-    source = pin or requirements or wheel or ""
-    res = CiResult(False, "", 0, source)
-    exe = python or sys.executable
-    res.python = exe
-    # Input that cannot work is refused up front, in one line, before any
-    # phase: a missing file, or an interpreter without torch.
-    if wheel is not None and not Path(wheel).is_file():
-        raise Refusal(wheel, "no such wheel file")
-    if requirements is not None and not Path(requirements).is_file():
-        raise Refusal(requirements, "no such requirements file")
-    probe = runner.resolve(python, None, None, "the ci gate's round-trip and restore phases").probe
-
+    res = CiResult(False, "", 0, pin or requirements or wheel or "")
+    given = _Inputs(pin, requirements, wheel, python or sys.executable, set_name, presets or [],
+                    vllm, output_dir, timeout, echo, roundtrip_matrix)
+    res.python = given.python
+    probe = _refuse_unusable_input(given, python)
     scratch = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="patchtool-ci-"))
     scratch.mkdir(parents=True, exist_ok=True)
     res.work_dir = str(scratch)
     gate = _Gate(res)
-    ctx: dict[str, Any] = {}
+    phases = _Phases(given, res, gate, scratch, probe)
     try:
-        def resolve(ph: Phase) -> None:
-            if pin is not None:
-                version, _ = wheelbuild.parse_pin(pin)
-                public, tag, _ = provenance.split_local(version)
-                ctx["pin"] = Pin(public, pin, pin, version if tag else None)
-            elif requirements is not None:
-                ctx["pin"] = parse_requirements(Path(requirements))
-            else:
-                ctx["pin"] = Pin(wheelbuild.wheel_version(Path(wheel)), wheel, None)
-            p = ctx["pin"]
-            res.lmcache_version = p.version
-            ctx["vllm"] = vllm or p.vllm or probe.get("vllm")
-            ph.detail = f"lmcache {p.version}" + (f" (pinned as {p.pinned_local})"
-                                                  if p.pinned_local else "") + \
-                (f", vLLM {ctx['vllm']}" if ctx["vllm"] else ", vLLM not pinned")
-            ph.data = {"version": p.version, "requirement": p.requirement, "vllm": ctx["vllm"]}
-
-        def patch_set(ph: Phase) -> None:
-            chosen = set_name
-            p = ctx["pin"]
-            if p.pinned_local:  # a pin of a wheel this tool built names its top set
-                chosen = provenance.pinned_set(resources.patches_root(), p.requirement or p.source,
-                                               p.pinned_local, set_name)[1]
-            pset = wheelbuild.locate_patch_set(resources.patches_root(), res.lmcache_version,
-                                               chosen)
-            m = pset.manifest
-            res.patch_set, res.revision = pset.name, m.revision
-            if m.state == STATE_FIXED_UPSTREAM:
-                raise Refusal(pset.path / "manifest.json", f"lmcache {pset.version} needs no "
-                              f"patch: {m.reason}", ExitCode.FIXED_UPSTREAM)
-            from .stack import resolve
-
-            ctx["pset"] = pset
-            ctx["layers"] = layers = resolve(resources.patches_root(), pset)
-            below = "".join(f"{p.name} revision {p.manifest.revision} + " for p in layers[:-1])
-            ph.detail = (f"{below}{pset.name} revision {m.revision}, {len(m.patches)} patches, "
-                         f"vLLM verified: {', '.join(m.vllm_versions) or '-'}")
-            ph.data = {"path": str(pset.path), "vllm_versions": m.vllm_versions}
-            dep = ctx.get("vllm")
-            if dep and dep not in m.vllm_versions:
-                gate.warn(ph, f"the deployment's vLLM {dep} is not among the versions the patch "
-                          f"set was verified with ({', '.join(m.vllm_versions) or 'none'})")
-
-        def fetch(ph: Phase) -> None:
-            if wheel is not None:
-                ctx["wheel"] = Path(wheel)
-                ph.detail = f"local file {Path(wheel).name}"
-                return
-            ctx["wheel"] = wheelbuild.download(res.lmcache_version, exe, scratch / "download")
-            ph.detail = f"downloaded {ctx['wheel'].name}"
-
-        def build(ph: Phase) -> None:
-            b = wheelbuild.build(ctx["wheel"], ctx["pset"], scratch / "wheel", ctx["layers"])
-            ctx["build"] = b
-            res.wheel = {k: getattr(b, k) for k in ("filename", "sha256", "version",
-                                                    "requirement", "source")}
-            ph.detail = f"{b.filename} sha256 {b.sha256[:16]}… (source verified by {b.source['verified_by']})"
-            for w in b.warnings:
-                gate.warn(ph, w)
-            p = ctx["pin"]
-            if p.pinned_local and p.pinned_local != b.version:
-                gate.warn(ph, f"the requirements pin {p.pinned_local}, but the shipped patch "
-                          f"set builds {b.version}")
-            if p.pinned_hashes and b.sha256 not in p.pinned_hashes:
-                gate.warn(ph, f"the requirements' --hash for lmcache does not match the rebuilt "
-                          f"wheel (sha256 {b.sha256})")
-            if output_dir:
-                dest = Path(output_dir)
-                dest.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(b.path, dest / b.filename)
-                res.wheel["path"] = str(dest / b.filename)
-
-        def install(ph: Phase) -> None:
-            site = scratch / "site"
-            shutil.rmtree(site, ignore_errors=True)
-            cmd = [exe, "-m", "pip", "install", "--no-deps", "--no-index",
-                   "--disable-pip-version-check", "-q", "--target", str(site),
-                   ctx["build"].path]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            if proc.returncode != 0:
-                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                raise Refusal(ctx["build"].filename, f"pip install --target failed: {last}",
-                              ExitCode.PIP_FAILED)
-            ctx["site"] = site
-            ph.detail = f"pip install --no-deps --target {site}"
-
-        def verify(ph: Phase) -> None:
-            disc = discover(None, str(ctx["site"]))
-            st = classify(disc, ctx["pset"], deep=True, stack=ctx["layers"])
-            assert disc.target is not None
-            vr = vc.run_verify(vc.CheckContext(disc.target, st, ctx["pset"],
-                                               resources.verify_root()), [])
-            ph.data = {"state": st.state, "checks": [c.name for c in vr.checks if c.ok],
-                       "sets": [{"name": s.name, "revision": s.revision, "state": s.state}
-                                for s in st.sets]}
-            if not vr.ok:
-                ph.result, ph.exit_code = FAIL, vr.exit_code
-                ph.detail = f"installed wheel is {vr.verdict}: {st.detail}"
-                return
-            rec = st.record
-            ph.detail = f"status patched, {rec.checked if rec else 0} RECORD rows verified"
-            ctx["env"] = runner.resolve(exe, str(ctx["site"]), ctx["site"],
-                                        "the ci gate's round-trip and restore phases")
-            ctx["vctx"] = vc.CheckContext(disc.target, st, ctx["pset"], resources.verify_root(),
-                                          vc.CheckOptions(env=ctx["env"], presets=presets or [],
-                                                          timeout=timeout, echo=echo,
-                                                          matrix=roundtrip_matrix))
-
-        def check(name: str) -> Callable[[Phase], None]:
-            def run(ph: Phase) -> None:
-                c = vc.REGISTRY[name](ctx["vctx"])
-                ph.detail, ph.data = c.detail, c.data
-                if not c.ok:
-                    ph.result = ERROR if c.error else FAIL
-                    ph.exit_code = ExitCode.RESTORE_ERROR if c.error else ExitCode.RESTORE_FAILED
-            return run
-
-        gate.run("resolve", resolve)
-        gate.run("patch-set", patch_set)
-        gate.run("fetch", fetch)
-        gate.run("build", build)
-        gate.run("install", install)
-        gate.run("verify", verify)
-        gate.run("roundtrip", check(vc.ROUNDTRIP_CHECK))
-        gate.run("restore", check("restore-cpu"))
+        for name, step in (("resolve", phases.resolve), ("patch-set", phases.patch_set),
+                           ("fetch", phases.fetch), ("build", phases.build_wheel),
+                           ("install", phases.install), ("verify", phases.verify),
+                           ("roundtrip", phases.check(vc.ROUNDTRIP_CHECK)),
+                           ("restore", phases.check("restore-cpu"))):
+            gate.run(name, step)
     finally:
         if not keep and work_dir is None:
             shutil.rmtree(scratch, ignore_errors=True)
             res.work_dir = None
     res.total_seconds = round(time.monotonic() - started, 3)
+    _verdict(res, gate, allow_warnings)
+    return res
+
+
+def _refuse_unusable_input(given: _Inputs, python: str | None) -> dict:
+    """Input that cannot work is refused up front, in one line, before any
+    phase: a missing file, or an interpreter without torch.  Returns the
+    interpreter's probe."""
+    if given.wheel is not None and not Path(given.wheel).is_file():
+        raise Refusal(given.wheel, "no such wheel file")
+    if given.requirements is not None and not Path(given.requirements).is_file():
+        raise Refusal(given.requirements, "no such requirements file")
+    return runner.resolve(python, None, None, "the ci gate's round-trip and restore phases").probe
+
+
+def _verdict(res: CiResult, gate: _Gate, allow_warnings: bool) -> None:
+    """The first failed phase decides; else unaccepted warnings fail; else pass."""
     if gate.failed:
         bad = next(p for p in res.phases if p.result in (FAIL, ERROR))
         res.verdict = f"{bad.result}: {bad.phase}"
@@ -316,4 +373,3 @@ def run_ci(*, pin: str | None, requirements: str | None, wheel: str | None,
         res.ok, res.exit_code = True, int(ExitCode.OK)
         res.verdict = "pass" + (f" with {len(res.warnings)} accepted warning(s)"
                                 if res.warnings else "")
-    return res
