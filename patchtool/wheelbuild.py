@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from . import __version__, wheelzip
+from . import __version__, resources, wheelzip
 from . import stack as S
 from .applier import APPLIES, apply_series
 from .distinfo import DIST, Wheel, canonical_name
@@ -40,7 +42,7 @@ from .errors import Refusal
 from .exitcodes import ExitCode
 from .manifest import (MANIFEST_NAME, STATE_FIXED_UPSTREAM, FileHash, catalog, find_patch_set,
                        sha256_file)
-from .provenance import PROVENANCE_FILE, PROVENANCE_SCHEMA, split_local, stack_tag
+from .provenance import PROVENANCE_FILE, PROVENANCE_SCHEMA, pinned_set, split_local, stack_tag
 from .record import RecordRow
 
 
@@ -355,3 +357,36 @@ def locate_patch_set(root: Path, version: str, set_name: str | None):
     raise Refusal(f"lmcache=={version}", f"no patch set for lmcache {version}{where}: port the "
                   "series to it, or ship a fixed-upstream manifest if upstream fixed the bug",
                   ExitCode.NO_PATCH_SET)
+
+
+def build_requested(requirement: str | None, from_wheel: str | None, output_dir: Path,
+                    python: str | None, set_name: str | None) -> WheelBuild:
+    """``patchtool wheel``: the patched wheel of ``lmcache==X`` (downloaded with
+    ``python``'s pip) or of a local upstream wheel.  A pin of a wheel this
+    tool built names its sets: that stack is built, and only at the shipped
+    revisions."""
+    if not requirement and not from_wheel:
+        raise Refusal("wheel", "give lmcache==VERSION, or --from FILE.whl", ExitCode.USAGE)
+    root = resources.patches_root()
+    version = parse_pin(requirement)[0] if requirement else None
+    pinned = version
+    if version is not None:
+        assert requirement is not None
+        version, set_name = pinned_set(root, requirement, version, set_name)
+    if from_wheel:
+        found = wheel_version(Path(from_wheel))
+        if version is not None and found != version:
+            raise Refusal(from_wheel, f"is lmcache {found}, not {version}")
+        version = found
+    assert version is not None
+    pset = locate_patch_set(root, version, set_name)
+    layers = S.resolve(root, pset)  # a stacked set builds its whole stack
+    if pinned is not None and pinned != version:
+        builds = f"{version}+{stack_tag([(p.name, p.manifest.revision) for p in layers])}"
+        if builds != pinned:  # another revision than the shipped ones: nothing is built
+            raise Refusal(requirement, f"this patchtool builds {builds}, not {pinned}: pin "
+                          f"lmcache=={builds}, or use the patchtool that shipped {pinned}")
+    with tempfile.TemporaryDirectory(prefix="patchtool-wheel-") as tmp:
+        src = Path(from_wheel) if from_wheel else \
+            download(version, python or sys.executable, Path(tmp))
+        return build(src, pset, Path(output_dir), layers)
