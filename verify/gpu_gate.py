@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -67,11 +68,15 @@ from lmcache_patchtool_verify import gpu_servers as gs  # noqa: E402
 from lmcache_patchtool_verify import gpu_system as gsys  # noqa: E402
 from lmcache_patchtool_verify import gpu_verdict as gv  # noqa: E402
 from lmcache_patchtool_verify import engine_device as ed  # noqa: E402
+from lmcache_patchtool_verify import engine_scenarios as es  # noqa: E402
 from lmcache_patchtool_verify import procs  # noqa: E402
 
 import tiny_hybrid_model as tiny  # noqa: E402 - stdlib at import time (the head check)
 
-SCHEMA = "lmcache-patchtool/gpu-gate/1"
+SCHEMA = "lmcache-patchtool/engine-gate/1"
+LOG_PREFIX = "[engine-gate]"
+RESULT_NAME = "engine-gate-result.json"
+PLOT_NAME = "engine-gate-ttft.png"
 EXIT = {"pass": 0, "fail": 20, "inconclusive": 21, "error": 22}
 TINY_MARKER = "lmcache_patchtool_tiny"
 
@@ -128,6 +133,9 @@ class GateConfig:
     l1_size_gb: float | None = None  # None: the device profile's (gpu 8, cpu 1)
     lmcache_extra_args: list[str] = field(default_factory=list)
     transfer_mode: str | None = None  # server --supported-transfer-mode; None: the device profile's
+    # the worker's mode (the connector's lmcache.mp.mp_transfer_mode): auto | engine_driven |
+    # lmcache_driven; None: not set (auto: engine-driven on a CPU worker, lmcache-driven on CUDA)
+    worker_transfer_mode: str | None = None
     # an lmcache tree (provision.overlay) put first on PYTHONPATH of vLLM and the server, so one
     # engine venv runs every LMCache version and patch state; the control arm may use another
     lmcache_overlay: str | None = None
@@ -139,6 +147,16 @@ class GateConfig:
     kv_probe: bool = True  # refuse a model whose logits do not depend on the KV
     cold_arm: bool = True  # False: no engine without LMCache (saves one engine start; no cold TTFT)
     stop_signal: str = "kill"  # kill: SIGKILL the engine and the server; term: SIGTERM, then SIGKILL
+    # more requests (engine_scenarios.py): the first restored prompt's TTFT beside the next one's;
+    # follow-ups after the restart (mid-step, continuation); the server alone restarted
+    first_restore_probe: bool = False
+    followups: list[str] = field(default_factory=list)
+    server_restart: bool = False
+    server_recover_timeout: float = 120.0  # how long the engine may take to notice a restarted server
+    # the request every engine start answers before anything is timed: "short" (a few tokens) or
+    # "context" (a distinct prompt of two blocks and a bit, twice: the second is a prefix hit, so
+    # the prefill-with-context kernels run once before the first timed request)
+    warmup: str = "short"
     # test hook: a shell command run after the store arm is down and before the restore arm
     # starts, with $GATE_L2_DIR set (the negative-control tests corrupt stored objects with it)
     between_arms_cmd: str | None = None
@@ -235,8 +253,8 @@ def model_is_tiny(model_dir: str) -> bool:
 # ---------------------------------------------------------------------------
 
 MAIN_STATES = ["PREFLIGHT", "COLD_UP", "COLD_ASK", "COLD_DOWN",
-               "STORE_UP", "STORE_ASK", "STORE_FLUSH", "STORE_DOWN",
-               "RESTORE_UP", "RESTORE_ASK", "RESTORE_HEALTH", "RESTORE_DOWN"]
+               "STORE_UP", "STORE_ASK", "STORE_FLUSH", "STORE_FOLLOWUPS", "STORE_DOWN",
+               "RESTORE_UP", "RESTORE_ASK", "RESTORE_HEALTH", "SERVER_RESTART", "RESTORE_DOWN"]
 CONTROL_STATES = ["CONTROL_STORE_UP", "CONTROL_STORE_ASK", "CONTROL_STORE_FLUSH", "CONTROL_STORE_DOWN",
                   "CONTROL_RESTORE_UP", "CONTROL_RESTORE_ASK", "CONTROL_RESTORE_DOWN"]
 FINAL_STATES = ["VERDICT", "DONE"]
@@ -252,7 +270,7 @@ def transitions(with_control: bool) -> dict[str, str]:
 class GateRun:
     def __init__(self, cfg: GateConfig, *, log: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
-        self.log = log or (lambda msg: print(f"[gpu-gate] {msg}", file=sys.stderr, flush=True))
+        self.log = log or (lambda msg: print(f"{LOG_PREFIX} {msg}", file=sys.stderr, flush=True))
         self.run_id = uuid.uuid4().hex[:12]
         self.sup: procs.Supervisor | None = None
         self.work: Path | None = None
@@ -279,6 +297,11 @@ class GateRun:
         self.refusal: dict[str, Any] | None = None  # the model cannot be judged (e.g. KV-independent logits)
         self.engine_refused: dict[str, str] = {}  # role -> the line an engine that refused to start logged
         self.kv_probe: dict[str, Any] = {}
+        # engine_scenarios: name -> prompt of the extra requests (first probe, follow-ups, ...)
+        self.extra_prompts: dict[str, gp.Prompt] = {}
+        self.mid_step: es.MidStep | None = None
+        self.followup_l2: dict[str, Any] = {}  # what the store arm's follow-up references added to L2
+        self.server_restart: dict[str, Any] = {}
         if cfg.device == "auto":
             dev, self.device_why = ed.detect(cfg.target_python or sys.executable)
         else:
@@ -410,7 +433,7 @@ class GateRun:
             # vLLM refuses --mamba-cache-mode for a model with no Mamba layer ("no mamba layers")
             self.note("PREFLIGHT", "pure-attention model: --mamba-cache-mode not passed")
             c.mamba_cache_mode = ""
-        self.work = Path(c.work_dir) if c.work_dir else Path.cwd() / f"gpu-gate-{time.strftime('%Y%m%d-%H%M%S')}-{self.run_id}"
+        self.work = Path(c.work_dir) if c.work_dir else Path.cwd() / f"engine-gate-{time.strftime('%Y%m%d-%H%M%S')}-{self.run_id}"
         self.work.mkdir(parents=True, exist_ok=True)
         self.note("PREFLIGHT", f"work dir {self.work}, criterion {self.criterion}, device {self.profile.name} "
                                f"({self.device_why}), block {c.block_size}, k {c.resolved_expect_k()}")
@@ -425,6 +448,7 @@ class GateRun:
                 raise GateAbort(f"prompt {L}: unsafe key placement: {bad}")
             self.prompts[L] = p
         self.note("PREFLIGHT", "prompts built", tokens={L: p.num_tokens for L, p in self.prompts.items()})
+        self._build_extras(geo)
 
         py = c.target_python or sys.executable
         probe_env = {k: v for k, v in self._env("store").items() if k == "PYTHONPATH"}
@@ -471,6 +495,71 @@ class GateRun:
 
     def _smi(self) -> list[str]:
         return gs.split_cmd(self.cfg.nvidia_smi, ["nvidia-smi"])
+
+    # extra requests (engine_scenarios.py) -----------------------------------
+    def _build_extras(self, geo: gp.PlacementGeometry) -> None:
+        c = self.cfg
+        unknown = [f for f in c.followups if f not in es.FOLLOWUPS]
+        if unknown:
+            raise GateAbort(f"--followup {unknown[0]}: one of {', '.join(es.FOLLOWUPS)}")
+        if c.warmup not in ("short", "context"):
+            raise GateAbort(f"--warmup {c.warmup!r}: short | context")
+        first, chunk = min(self.prompts), c.resolved_chunk()
+
+        def build(target: int, tag: str, seed: int, *, tail: int = 1, keys: int | None = None) -> gp.Prompt:
+            return gp.build_prompt(self.tokenizer, target, geometry=geo, num_keys=keys or c.num_keys, seed=seed,
+                                   tag=f"gate-{self.run_id}-{tag}", tail=tail)
+
+        if c.first_restore_probe:
+            self.extra_prompts[es.FIRST] = build(first, "first", c.seed + 1)
+        if es.CONTINUATION in c.followups:
+            # ends CONT_SHORT_BY tokens before a chunk boundary: its decode completes that chunk
+            self.extra_prompts[es.CONT_BASE] = build(first, "cont", c.seed + 2, tail=chunk - es.CONT_SHORT_BY)
+        if c.server_restart:
+            self.extra_prompts[es.SERVER_RESTART] = self._short_prompt(build, "restart", c.seed + 3)
+        if es.MID_STEP in c.followups:
+            a = self.prompts[max(self.prompts)]
+            budget = c.block_size if c.max_num_batched_tokens is None else \
+                (c.max_num_batched_tokens or self.profile.default_max_num_batched_tokens)
+            self.mid_step = es.mid_step_point(a.num_tokens, chunk=chunk,
+                                              step=es.step_tokens(budget, c.block_size))
+            tail = gp.filler_ids(self.tokenizer, es.MID_STEP_TAIL, c.seed + 4)[:es.MID_STEP_TAIL]
+            self.extra_prompts[es.MID_STEP] = self._plain_prompt(a.ids[:self.mid_step.m] + tail, "mid-step", a)
+            self.note("PREFLIGHT", f"mid-step follow-up: the first {self.mid_step.m} tokens of the "
+                                   f"{a.num_tokens}-token prompt + {len(tail)} new; last chunk boundary "
+                                   f"{self.mid_step.boundary}, step end before it {self.mid_step.step_end}, "
+                                   f"boundary inside a step: {self.mid_step.inside_step}")
+        if self.extra_prompts:
+            self.note("PREFLIGHT", "extra prompts built",
+                      tokens={k: p.num_tokens for k, p in self.extra_prompts.items()})
+
+    def _short_prompt(self, build: Callable[..., gp.Prompt], tag: str, seed: int) -> gp.Prompt:
+        """Two chunks and a token, or the first length when two chunks leave no room for the body."""
+        try:
+            return build(2 * self.cfg.resolved_chunk(), tag, seed, keys=1)
+        except ValueError:
+            return build(min(self.prompts), tag, seed, keys=1)
+
+    def _plain_prompt(self, ids: list[int], tag: str, like: gp.Prompt) -> gp.Prompt:
+        """A prompt without keys (a follow-up judged by identity with its reference)."""
+        chunk = self.cfg.resolved_chunk()
+        p = gp.Prompt(target_tokens=len(ids), ids=list(ids), keys=[], geometry=like.geometry, head_len=0,
+                      tail_len=0, restorable_tokens=(len(ids) - 1) // chunk * chunk, tokenizer=like.tokenizer,
+                      seed=like.seed, tag=f"gate-{self.run_id}-{tag}")
+        p.sha256 = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
+        return p
+
+    def _build_continuation(self) -> None:
+        """C = D + D's answer in the store arm + a new turn (needs the store arm's answer)."""
+        d = self.extra_prompts.get(es.CONT_BASE)
+        ans = ((self.arms.get("store") or {}).get(es.CONT_BASE) or {}).get("token_ids") or []
+        if d is None:
+            return
+        if len(ans) <= es.CONT_SHORT_BY:
+            raise GateAbort(f"continuation: the base prompt's answer has {len(ans)} tokens; its decode must "
+                            f"pass the chunk boundary {es.CONT_SHORT_BY} tokens after the prompt")
+        turn = gp.filler_ids(self.tokenizer, es.TURN_TOKENS, self.cfg.seed + 5)[:es.TURN_TOKENS]
+        self.extra_prompts[es.CONTINUATION] = self._plain_prompt(d.ids + list(ans) + turn, "continuation", d)
 
     # cold -------------------------------------------------------------------
     def s_cold_up(self) -> None:
@@ -544,6 +633,37 @@ class GateRun:
         for L in sorted(self.prompts):
             out[str(L)] = self._ask("store", self.prompts[L], lmcache=True)
             ref[str(L)] = self._ask("store_warm", self.prompts[L], lmcache=True)
+        # prompts the restore arm asks besides the main ones, stored and referenced the same way
+        for name in (es.FIRST, es.CONT_BASE, es.SERVER_RESTART):
+            p = self.extra_prompts.get(name)
+            if p is not None:
+                # the continuation's base must decode past its chunk boundary even if EOS comes first
+                extra = {"ignore_eos": True} if name == es.CONT_BASE else None
+                out[name] = self._ask("store", p, lmcache=True, extra=extra)
+                ref[name] = self._ask("store_warm", p, lmcache=True, extra=extra)
+
+    def s_store_followups(self) -> None:
+        """The follow-ups' references: the store engine answers them from its own prefix cache (the
+        states vLLM really has); the L2 objects they add are removed before the restart."""
+        if not self.cfg.followups:
+            return
+        l2 = self.l2_dirs["main"]
+        before = es.l2_listing(l2)
+        self._build_continuation()
+        refs = self.arms.setdefault("store_followup", {})
+        scratch = self.arms.setdefault("store_scratch", {})
+        for name in es.FOLLOWUPS:
+            p = self.extra_prompts.get(name)
+            if p is not None:
+                refs[name] = self._ask("store_followup", p, lmcache=True)
+                # from scratch in the same engine: a cache_salt no other request carries (no hit anywhere)
+                scratch[name] = self._ask("store_scratch", p, lmcache=True,
+                                          extra={"cache_salt": f"gate-{self.run_id}-scratch-{name}"})
+        flush = self._wait_flush("store", l2)
+        added, changed = es.added_objects(before, es.l2_listing(l2))
+        self.followup_l2 = {"added": added, "changed": changed, "flush": flush}
+        self.note("STORE_FOLLOWUPS", f"the follow-up references added {len(added)} L2 objects (removed before "
+                                     f"the restart), changed {len(changed)}")
 
     def s_store_flush(self) -> None:
         self.flush = self._wait_flush("store", self.l2_dirs["main"])
@@ -551,6 +671,8 @@ class GateRun:
     def s_store_down(self) -> None:
         self._stop_vllm("store")
         self._stop_lmcache("store")
+        for rel in self.followup_l2.get("added") or []:
+            (Path(self.l2_dirs["main"]) / rel).unlink(missing_ok=True)
         if self.cfg.between_arms_cmd:
             import subprocess  # noqa: PLC0415
 
@@ -568,15 +690,125 @@ class GateRun:
         self._start_vllm("restore", self._prefix("vllm"), kv=True)
 
     def s_restore_ask(self) -> None:
+        out = self.arms.setdefault("restore", {})
+        if es.FIRST in self.extra_prompts:  # first after the restart: what a first request pays
+            out[es.FIRST] = self._ask("restore", self.extra_prompts[es.FIRST], lmcache=True)
         self._ask_all("restore", lmcache=True)
+        # follow-ups after the main prompts (asked first, they would give the main prompts local hits).
+        # On a hybrid the restored main prompt leaves a Mamba state only at its last chunk, so this
+        # engine's own prefix cache cannot serve a follow-up's shorter prefix: LMCache does
+        for name in es.FOLLOWUPS:
+            p = self.extra_prompts.get(name)
+            if p is not None:
+                out[name] = self._ask("restore", p, lmcache=True)
 
     def s_restore_health(self) -> None:
         self.health = self._health("restore")
+
+    def s_server_restart(self) -> None:
+        """The LMCache server alone is killed and restarted while the restored engine keeps running:
+        a short request during the outage, the engine's recovery (its log), the stored prompt again,
+        a new prompt stored into the new server, the engine's health."""
+        if not self.cfg.server_restart:
+            return
+        c = self.cfg
+        rec: dict[str, Any] = {"asks": []}
+        self.server_restart = rec
+        t0 = time.monotonic()
+        vlog = self.procs["vllm-restore"]
+        lines_before = len(vlog.log_text().splitlines())
+        self._stop_lmcache("restore")
+        rec["asks"].append(self._sr_short("request while the server is down", "outage"))
+        t_up = time.monotonic()
+        self._start_lmcache("restore_sr", self._prefix("lmcache"), self.l2_dirs["main"])
+        rec["server_down_s"] = round(time.monotonic() - t0, 3)
+        rec["recovery"] = self._wait_recovery(vlog, lines_before, t_up)
+        s = self.extra_prompts[es.SERVER_RESTART]
+        rec["asks"].append(self._sr_stored(s))
+        rec["stores_after"] = self._sr_new_prompt()
+        rec["health"] = self._health("restore")
+        rec["outcome"], rec["detail"] = es.server_restart_outcome(rec, hit_min=c.hit_fraction_min)
+        self.note("SERVER_RESTART", f"{rec['outcome']}: {rec['detail']}")
+
+    def _sr_short(self, what: str, phase: str) -> dict[str, Any]:
+        ids = self.tokenizer.encode(f"Short request ({phase}) of run {self.run_id}. Reply OK.")
+        t0 = time.monotonic()
+        try:
+            comp = client.stream_completion(self._vllm_url(), "gate-model", ids, max_tokens=4,
+                                            timeout=self.cfg.request_timeout)
+            return {"what": what, "phase": phase, "seconds": round(time.monotonic() - t0, 3),
+                    "tokens": len(comp.token_ids)}
+        except client.ClientError as exc:
+            return {"what": what, "phase": phase, "seconds": round(time.monotonic() - t0, 3),
+                    "error": str(exc)[:400]}
+
+    def _wait_recovery(self, vlog: procs.ManagedProcess, skip: int, t_up: float) -> dict[str, Any]:
+        """Wait for the engine to log that it re-registered with the restarted server (LMCache
+        0.5.6's heartbeat recovery); whatever it logged about LMCache meanwhile is recorded."""
+        deadline = time.monotonic() + self.cfg.server_recover_timeout
+        keys = ("re-register", "healthy again", "unhealthy", "degraded", "LMCache server")
+        while True:
+            new = [gs._ANSI.sub("", ln).strip() for ln in vlog.log_text().splitlines()[skip:]]
+            seen = [ln[-300:] for ln in new if any(k in ln for k in keys)]
+            done = any("Finished re-registering" in ln or "resuming normal operation" in ln for ln in seen)
+            if done or time.monotonic() >= deadline or not vlog.alive():
+                return {"recovered_line": done, "seconds_after_server_start": round(time.monotonic() - t_up, 3),
+                        "engine_alive": vlog.alive(), "lines": seen[-12:]}
+            time.sleep(1.0)
+
+    def _sr_stored(self, p: gp.Prompt) -> dict[str, Any]:
+        """The prompt stored in the store arm and not asked since: it must hit again, and its answer
+        must equal the store engine's with the same cached length (0: computed; else: its prefix hit)."""
+        rec: dict[str, Any] = {"what": "stored prompt", "phase": "after", "prompt_tokens": p.num_tokens,
+                               "ideal_hits": gv.ideal_hits(p.num_tokens, self.cfg.resolved_chunk(),
+                                                           self.cfg.block_size)}
+        try:
+            e = self._ask("restore_sr", p, lmcache=True)
+        except (client.ClientError, GateAbort) as exc:
+            return rec | {"error": str(exc)[:400]}
+        self.arms.setdefault("restore_sr", {})[es.SERVER_RESTART] = e
+        hits = (e.get("vllm_delta") or {}).get("external_hits") or 0
+        ref_arm = "store" if not hits else "store_warm"
+        ref = (self.arms.get(ref_arm) or {}).get(es.SERVER_RESTART)
+        ok, why, worst = gv.compare_outputs(ref, e, self.cfg.logprob_tolerance) if ref else (False, "no reference", None)
+        if ref and hits and hits < rec["ideal_hits"]:
+            # a partial hit has no reference with its cached length: greedy tokens only
+            ok = ref.get("token_ids") == e.get("token_ids")
+            why = f"partial hit ({int(hits)} tokens), greedy tokens {'identical' if ok else 'differ'}"
+        return rec | {"external_hits": hits, "ttft_s": e.get("ttft_s"), "reference": ref_arm,
+                      "answer_ok": ok, "answer_detail": why, "max_logprob_delta": worst}
+
+    def _sr_new_prompt(self) -> dict[str, Any]:
+        """A new prompt after the restart: its objects must land in the restarted server's L2."""
+        l2 = self.l2_dirs["main"]
+        before = es.l2_listing(l2)
+        geo = self.prompts[min(self.prompts)].geometry
+        p = self._short_prompt(lambda target, tag, seed, keys: gp.build_prompt(
+            self.tokenizer, target, geometry=geo, num_keys=keys, seed=seed, tag=f"gate-{self.run_id}-{tag}"),
+            "after-restart", self.cfg.seed + 6)
+        try:
+            self._ask("restore_sr", p, lmcache=True)
+        except (client.ClientError, GateAbort) as exc:
+            return {"ok": False, "detail": f"the new prompt failed: {str(exc)[:300]}"}
+        deadline = time.monotonic() + 60.0
+        while True:
+            added, _ = es.added_objects(before, es.l2_listing(l2))
+            snap = self._metrics(self._lmcache_url(), gm.LMCACHE)
+            sub, done = snap.values.get("l2_store_submitted"), snap.values.get("l2_store_completed")
+            if added and done and (sub is None or done >= sub):
+                return {"ok": True, "detail": f"{len(added)} new L2 objects after the restart (stores {done}/{sub})",
+                        "added": len(added)}
+            if time.monotonic() >= deadline:
+                return {"ok": False, "detail": f"no new L2 object within 60 s (stores {done}/{sub})",
+                        "added": len(added)}
+            time.sleep(1.0)
 
     def s_restore_down(self) -> None:
         self._collect_logs("restore")
         self._stop_vllm("restore")
         self._stop_lmcache("restore")
+        if "lmcache-restore_sr" in self.procs:
+            self._stop_lmcache("restore_sr")
 
     # control ----------------------------------------------------------------
     def s_control_store_up(self) -> None:
@@ -660,6 +892,19 @@ class GateRun:
                                "ideal_hits": {str(L): gv.ideal_hits(p.num_tokens, c.resolved_chunk(), c.block_size)
                                               for L, p in self.prompts.items()},
                                "logs": {"store": self.logs.get("store"), "restore": self.logs.get("restore")}}
+        extras: dict[str, Any] = {}
+        if es.FIRST in self.extra_prompts:
+            p = self.extra_prompts[es.FIRST]
+            extras[es.FIRST] = {"kind": "stored", "ideal_hits": gv.ideal_hits(p.num_tokens, c.resolved_chunk(),
+                                                                              c.block_size)}
+        for name in es.FOLLOWUPS:
+            if name in self.extra_prompts:
+                extras[name] = {"kind": "followup"}
+        if extras:
+            rec["extras"] = extras
+            rec["followup_l2"] = {"changed": self.followup_l2.get("changed", [])}
+        if c.server_restart:
+            rec["server_restart"] = self.server_restart or {"asks": [], "health": {"ok": False, "detail": "not reached"}}
         observed = self._observed_geometry()
         if observed is not None and self.prompts:
             viol: list[str] = []
@@ -722,7 +967,8 @@ class GateRun:
                              enforce_eager=c.enforce_eager, seed=c.seed,
                              enable_prefix_caching=c.enable_prefix_caching,
                              mamba_cache_mode=c.mamba_cache_mode or None, extra_args=tuple(c.vllm_extra_args))
-        kv_cfg = gs.kv_transfer_config(c.host, self.ports["lmcache"]) if kv else None
+        mode = {"lmcache.mp.mp_transfer_mode": c.worker_transfer_mode} if c.worker_transfer_mode else None
+        kv_cfg = gs.kv_transfer_config(c.host, self.ports["lmcache"], mode) if kv else None
         argv = gs.vllm_argv(prefix, st, kv_cfg)
         try:
             self._start(f"vllm-{role}", role + "-vllm", argv,
@@ -737,11 +983,17 @@ class GateRun:
                                 f"{line}") from None
             self.engine_refused[role] = line
             raise EngineRefused(f"vLLM with LMCache exited before it was ready ({role}): {line}") from None
-        # warm-up: one short distinct request, so JIT/graph capture is not in anyone's TTFT
+        # warm-up: one short distinct request, so JIT/graph capture is not in anyone's TTFT; "context":
+        # a distinct prompt of two blocks and a bit, twice (the second a prefix hit of this engine)
         ids = self.tokenizer.encode(f"Warm-up request for the {role} arm of run {self.run_id}. Reply OK.")
+        sends = [ids]
+        if c.warmup == "context":
+            n = 2 * c.block_size + 10
+            sends = [(ids + gp.filler_ids(self.tokenizer, n, c.seed + 11))[:n]] * 2
         t0 = time.perf_counter()
-        client.stream_completion(self._vllm_url(), "gate-model", ids, max_tokens=2, timeout=c.request_timeout)
-        self.note(role.upper(), f"vLLM ready, warm-up {time.perf_counter() - t0:.2f} s")
+        for one in sends:
+            client.stream_completion(self._vllm_url(), "gate-model", one, max_tokens=2, timeout=c.request_timeout)
+        self.note(role.upper(), f"vLLM ready, warm-up ({c.warmup}) {time.perf_counter() - t0:.2f} s")
 
     def _start(self, name: str, role: str, argv: list[str], probe: Any, timeout: float) -> None:
         assert self.sup is not None and self.work is not None
@@ -857,12 +1109,12 @@ class GateRun:
         for L in sorted(self.prompts):
             out[str(L)] = self._ask(arm, self.prompts[L], lmcache=lmcache)
 
-    def _ask(self, arm: str, p: gp.Prompt, *, lmcache: bool) -> dict[str, Any]:
+    def _ask(self, arm: str, p: gp.Prompt, *, lmcache: bool, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         c = self.cfg
         v_before = self._metrics(self._vllm_url(), gm.VLLM)
         l_before = self._metrics(self._lmcache_url(), gm.LMCACHE) if lmcache else None
         comp = client.stream_completion(self._vllm_url(), "gate-model", p.ids, max_tokens=self._max_tokens(),
-                                        timeout=c.request_timeout, extra=self._lp_extra())
+                                        timeout=c.request_timeout, extra=(self._lp_extra() or {}) | (extra or {}))
         # counters are updated asynchronously: wait until vLLM has accounted the prompt
         deadline = time.monotonic() + c.metrics_settle_s
         while True:
@@ -983,8 +1235,32 @@ class GateRun:
             "health": self.health, "stops": self.stops, "processes": self.proc_records,
             "warnings": self.warnings, "abort": self.abort, "trace": self.trace,
             "summary": self.summary(),
+            "extras": self.extras_result(),
+            "server_restart": self.server_restart or None,
         }
         return res
+
+    def extras_result(self) -> dict[str, Any] | None:
+        """Per extra request: its prompt, the arms that asked it (TTFT, hits) and the follow-up setup."""
+        if not self.extra_prompts:
+            return None
+        out: dict[str, Any] = {}
+        for name, p in self.extra_prompts.items():
+            row: dict[str, Any] = {"prompt_tokens": p.num_tokens, "ids_sha256": p.sha256}
+            for arm in ("store", "store_warm", "store_followup", "store_scratch", "restore", "restore_sr"):
+                e = (self.arms.get(arm) or {}).get(name)
+                if e is not None:
+                    d = e.get("vllm_delta") or {}
+                    row[arm] = {"ttft_s": e.get("ttft_s"), "external_hits": d.get("external_hits"),
+                                "local_hits": d.get("local_hits"), "ideal_hits": e.get("ideal_hits"),
+                                "max_logprob_delta_vs_reference": e.get("max_logprob_delta_vs_reference"),
+                                "max_logprob_delta_vs_scratch": e.get("max_logprob_delta_vs_scratch")}
+            out[name] = row
+        if self.mid_step is not None:
+            out["mid_step_point"] = asdict(self.mid_step)
+        if self.followup_l2:
+            out["followup_l2"] = {k: (len(v) if isinstance(v, list) else v) for k, v in self.followup_l2.items()}
+        return out
 
     def ttft_table(self) -> list[dict[str, Any]]:
         """Per prompt: TTFT cold (nothing cached), restored (after the restart, from the disk tier)
@@ -1001,6 +1277,15 @@ class GateRun:
                     row[f"{name}_cached_tokens"] = (e.get("vllm_delta") or {}).get(key)
             if row.get("cold_s") and row.get("restored_s"):
                 row["restored_over_cold"] = round(row["restored_s"] / row["cold_s"], 4)
+            if row.get("cold_s") and row.get("prefix_hit_s"):
+                row["prefix_hit_over_cold"] = round(row["prefix_hit_s"] / row["cold_s"], 4)
+            first = (self.arms.get("restore") or {}).get(es.FIRST)
+            if first is not None and L == min(self.prompts):
+                # the probe of this length, asked first after the restart; restored_s is the next
+                row["first_restored_s"] = first.get("ttft_s")
+                row["first_restored_cached_tokens"] = (first.get("vllm_delta") or {}).get("external_hits")
+                if first.get("ttft_s") and row.get("restored_s"):
+                    row["first_over_next"] = round(first["ttft_s"] / row["restored_s"], 4)
             rows.append(row)
         return rows
 
@@ -1048,7 +1333,8 @@ def write_plot(result: dict[str, Any], path: str) -> dict[str, Any]:
                 label="control restore (unpatched)")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (s)")
-    ax.set_title(f"GPU restore gate: {result['verdict']['status']} ({result['attention_backend']})")
+    ax.set_title(f"engine restore gate ({result['device']}): {result['verdict']['status']} "
+                 f"({result['attention_backend']})")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -1102,6 +1388,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not refuse a model whose logits do not depend on the KV (tests only)")
     g.add_argument("--stop-signal", choices=["kill", "term"], default="kill",
                    help="kill (default): SIGKILL engine and server between arms; term: SIGTERM, then SIGKILL")
+    g.add_argument("--first-restore-probe", action="store_true",
+                   help="store one more prompt of the first length and ask it first after the restart: the "
+                        "first restored prompt's TTFT beside the next one's (ttft: first_restored_s)")
+    g.add_argument("--followup", dest="followups", action="append", default=[], choices=list(es.FOLLOWUPS),
+                   help="after the restart also ask: mid-step (a prompt sharing the longest prompt's prefix up to "
+                        "a point inside a prefill step) | continuation (a prompt + its answer + a new turn); "
+                        "repeatable; each judged against the store engine's answer from its own prefix cache")
+    g.add_argument("--server-restart", action="store_true",
+                   help="after the restore: kill and restart the LMCache server alone while the engine runs; "
+                        "a stored prompt must hit again and a new one be stored (verdict check server_restart)")
+    g.add_argument("--server-recover-timeout", type=float, default=120.0,
+                   help="seconds the engine may take to log its recovery after the server restart (default 120)")
+    g.add_argument("--warmup", choices=["short", "context"], default="short",
+                   help="request answered before anything is timed on every engine start: short (default) | "
+                        "context (a two-block prompt twice, so the prefill-with-context path has run once)")
     g.add_argument("--between-arms-cmd", help="shell command run between the store and restore arms with "
                                               "$GATE_L2_DIR set (negative controls: corrupt stored objects)")
     g = ap.add_argument_group("geometry used to place keys")
@@ -1138,6 +1439,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lmcache-overlay", help="an lmcache tree put first on PYTHONPATH of vLLM and the server "
                                              "(scripts/provision.py overlay): one venv, any version/patch state")
     g.add_argument("--control-lmcache-overlay", help="the same for the negative control (runs it)")
+    g.add_argument("--worker-transfer-mode", choices=["auto", "engine_driven", "lmcache_driven"],
+                   help="the connector's lmcache.mp.mp_transfer_mode (default: not set, i.e. auto: engine-driven "
+                        "on a CPU worker)")
     g = ap.add_argument_group("commands")
     g.add_argument("--vllm-cmd", help="command prefix for vLLM (default: gpu <venv>/bin/vllm serve; cpu "
                                       "<python> -m vllm.entrypoints.openai.api_server)")
@@ -1160,10 +1464,10 @@ def build_parser() -> argparse.ArgumentParser:
                           ("metrics-settle-s", 10.0), ("poll-s", 0.5)):
         g.add_argument(f"--{name}", type=float, default=default)
     g = ap.add_argument_group("output")
-    g.add_argument("--work-dir", help="logs, L2 directories (default ./gpu-gate-<time>-<id>)")
+    g.add_argument("--work-dir", help="logs, L2 directories (default ./engine-gate-<time>-<id>)")
     g.add_argument("--keep-work", action="store_true", help="keep the L2 directories of a passing run")
-    g.add_argument("--out", help="write the JSON result here (default <work-dir>/gpu-gate-result.json)")
-    g.add_argument("--plot", help="PNG of restore vs cold TTFT (default <work-dir>/gpu-gate-ttft.png)")
+    g.add_argument("--out", help=f"write the JSON result here (default <work-dir>/{RESULT_NAME})")
+    g.add_argument("--plot", help=f"PNG of restore vs cold TTFT (default <work-dir>/{PLOT_NAME})")
     g.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     return ap
 
@@ -1197,19 +1501,22 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     work = run.work or Path.cwd()
-    plot_path = cfg.plot or str(work / "gpu-gate-ttft.png")
+    plot_path = cfg.plot or str(work / PLOT_NAME)
     result["plot"] = write_plot(result, plot_path) if result["summary"] else {"written": False,
                                                                               "note": "nothing measured"}
-    out = cfg.out or str(work / "gpu-gate-result.json")
+    out = cfg.out or str(work / RESULT_NAME)
     text = json.dumps(result, indent=1, default=str)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(text)
+    if run.work is not None and Path(out).resolve() != (run.work / RESULT_NAME).resolve():
+        # the work dir holds the result too (patchtool verify passes --out to a temporary file)
+        (run.work / RESULT_NAME).write_text(text)
     status = result["verdict"]["status"]
     if ns.json:
         print(text)
-    print(f"[gpu-gate] verdict: {status}; result {out}", file=sys.stderr)
+    print(f"{LOG_PREFIX} verdict: {status}; result {out}", file=sys.stderr)
     for r in result["verdict"].get("reasons", [])[:10]:
-        print(f"[gpu-gate]   {r}", file=sys.stderr)
+        print(f"{LOG_PREFIX}   {r}", file=sys.stderr)
     return EXIT.get(status, 22)
 
 

@@ -5,6 +5,7 @@ the bug."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -138,6 +139,9 @@ def test_restore_gpu_passes_arguments_through(tmp_path, runtime_python_053, patc
     check = r.json["result"]["checks"][-1]
     assert check["name"] == f"restore-{restore}" and check["data"]["exit_code"] == (20 if code else 0)
     assert check["data"]["report"] is not None and check["data"]["report"]["device"] == "gpu"
+    # patchtool reads the report from a temporary --out; the gate's work dir keeps its own copy
+    kept = json.loads((tmp_path / "work" / "engine-gate-result.json").read_text())
+    assert kept["run_id"] == check["data"]["report"]["run_id"]
 
 
 EDGE_PRESETS = ("qwen35-0.8b", "pure-attn-k1")

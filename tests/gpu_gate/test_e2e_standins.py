@@ -155,7 +155,7 @@ def test_tiny_model_with_unpatched_server_fails(gate):
     gate.tiny()
     _, result = gate.run(lmcache="--fake-mode pristine")
     _check(result, "fail")
-    assert any("diverges from cold" in r for r in result["verdict"]["reasons"])
+    assert any("diverges from the store arm" in r for r in result["verdict"]["reasons"]), result["verdict"]["reasons"]
 
 
 def test_sigterm_to_gate_cleans_up(gate):
@@ -201,3 +201,28 @@ def test_no_cold_arm_saves_an_engine_start(gate):
     assert not any(p["name"] == "vllm-cold" for p in result["processes"])
     assert result["kv_probe"]["ok"] and "cold" not in result["arms"]
     assert {c["name"] for c in result["verdict"]["checks"]} >= {"restore_matches_warm", "negative_control_fails"}
+
+
+def test_extra_requests_first_probe_followups_server_restart(gate):
+    """The extra requests end to end: the first-restore probe (its TTFT beside the next prompt's),
+    the follow-ups' references and the L2 objects they add removed before the restart, and the
+    server restarted alone while the engine runs.  The stand-in engine caches like pure attention,
+    so after the main prompt it serves the mid-step follow-up from its own prefix cache: the gate
+    must call that "not exercised" (inconclusive), never count it as LMCache's hit."""
+    gate.tiny()
+    _, result = gate.run("--first-restore-probe", "--followup", "mid-step", "--followup", "continuation",
+                         "--server-restart", "--server-recover-timeout", "3", lengths="1024")
+    _check(result, "inconclusive")
+    reasons = result["verdict"]["reasons"]
+    assert len(reasons) == 1 and reasons[0].startswith("mid-step_hits: not measured (served by the restored "
+                                                       "engine's own prefix cache ("), reasons
+    checks = {c["name"]: c["ok"] for c in result["verdict"]["checks"]}
+    assert checks["first_matches_warm"] and checks["first_external_hits"] and checks["continuation_hits"]
+    assert checks["continuation_true_state"] and checks["continuation_answer"]
+    assert checks["server_restart_recovers"] is True and checks["server_outage_served"] is True
+    row = result["ttft"][0]
+    assert row["first_restored_s"] and row["first_over_next"] == round(row["first_restored_s"] / row["restored_s"], 4)
+    assert result["extras"]["followup_l2"]["added"] > 0 and result["extras"]["followup_l2"]["changed"] == 0
+    assert result["server_restart"]["outcome"] == "recovered"
+    states = [t["state"] for t in result["trace"] if t["what"] == "enter"]
+    assert states.index("STORE_FOLLOWUPS") < states.index("RESTORE_UP") < states.index("SERVER_RESTART")

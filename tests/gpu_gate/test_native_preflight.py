@@ -72,7 +72,7 @@ def test_gate_aborts_before_any_server_when_the_extension_does_not_load(gate, tm
     assert result["processes"] == []
     # loud, one line each: the abort as it happens, and the verdict's reason
     lines = [ln for ln in res.stderr.splitlines() if "lmcache.lmcache_native does not load" in ln]
-    assert len(lines) == 2 and lines[0].startswith("[gpu-gate] PREFLIGHT: ABORT: GateAbort: ")
+    assert len(lines) == 2 and lines[0].startswith("[engine-gate] PREFLIGHT: ABORT: GateAbort: ")
 
 
 def test_loadable_extensions_pass_the_preflight(tmp_path):

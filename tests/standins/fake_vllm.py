@@ -193,6 +193,9 @@ def main() -> None:
         T = len(ids)
         full = (T - 1) // C  # vLLM always computes the last token
         hashes = chunk_hashes(ids, C, T // C)
+        salt = body.get("cache_salt")
+        if salt:  # as vLLM: the salt enters every block hash (and so LMCache's keys): no shared hit
+            hashes = [f"{salt}|{x}" for x in hashes]
         view = list(ids)
         local = 0
         with lock:

@@ -50,6 +50,9 @@ class DeviceProfile:
     # "restore TTFT below cold TTFT" decides the verdict: on a GPU, yes; on CPU the tiny models'
     # prefill is cheaper than fetching their KV (measured, recorded, not a pass condition)
     ttft_required: bool
+    # vLLM's default max_num_batched_tokens for its API server on this device (what a prefill step
+    # holds when the gate leaves it to vLLM); None: it depends on the device (GPU memory)
+    default_max_num_batched_tokens: int | None = None
     env: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -65,7 +68,9 @@ GPU = DeviceProfile(name="gpu", block_size=544, page_tokens=32, attention_backen
 CPU = DeviceProfile(name="cpu", block_size=640, page_tokens=32, attention_backend=None,
                     gdn_prefill_backend=None, sub_pages=False, check_gpu_memory=False,
                     pass_gpu_memory_utilization=False, vllm_launcher="module", server_transfer_mode="auto",
-                    use_shim=True, l1_size_gb=1.0, ttft_required=False, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
+                    use_shim=True, l1_size_gb=1.0, ttft_required=False,
+                    # vllm/engine/arg_utils.py (0.32.0): CPU, OPENAI_API_SERVER -> 2048 * world_size
+                    default_max_num_batched_tokens=2048, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
 PROFILES = {"gpu": GPU, "cpu": CPU}
 
 _DETECT = r"""

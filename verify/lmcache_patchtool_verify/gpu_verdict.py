@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
+from . import engine_scenarios as es
+
 HIT_FRACTION_MIN = 0.95  # of the ideal hit tokens for the prompt (ideal_hits)
 
 
@@ -200,6 +202,8 @@ def evaluate(rec: dict[str, Any]) -> Verdict:
                 checks.append(Check("store_from_empty_l2", False,
                                     f"store arm already had {int(sh)} external hits: L2 not fresh", L))
 
+    checks += extra_checks(rec, arms, tol, hit_min)
+
     health = rec.get("health") or {}
     checks.append(Check("engine_healthy_after", bool(health.get("ok")), health.get("detail", "")))
 
@@ -247,6 +251,49 @@ def evaluate(rec: dict[str, Any]) -> Verdict:
         return Verdict("inconclusive", checks,
                        inconclusive + [f"{label(c)}: not measured ({c.detail})" for c in unmeasured], warnings)
     return Verdict("pass", checks, [], warnings)
+
+
+def extra_checks(rec: dict[str, Any], arms: dict[str, Any], tol: float, hit_min: float) -> list[Check]:
+    """The extra requests (engine_scenarios.py): the first-restore probe like a main prompt, each
+    follow-up against the store engine's answer from its own prefix cache, the server restart."""
+    out: list[Check] = []
+    restore, store_warm = arms.get("restore", {}), arms.get("store_warm", {})
+    for name, ex in (rec.get("extras") or {}).items():
+        r = restore.get(name)
+        if ex["kind"] == "stored":
+            ref = store_warm.get(name)
+            if ref is None or r is None:
+                out.append(Check(f"{name}_measured", False, "missing the reference or the restored answer"))
+                continue
+            ok, why, worst = compare_outputs(ref, r, tol)
+            r["max_logprob_delta_vs_warm"] = worst
+            out.append(Check(f"{name}_matches_warm", ok, why))
+            hits, ideal = (r.get("vllm_delta") or {}).get("external_hits"), ex["ideal_hits"]
+            r["ideal_hits"] = ideal
+            out.append(Check(f"{name}_external_hits", hits is not None and ideal > 0 and hits >= hit_min * ideal,
+                             f"{hits} of the ideal {ideal}"))
+        else:
+            ref = (arms.get("store_followup") or {}).get(name)
+            scratch = (arms.get("store_scratch") or {}).get(name)
+            out += [Check(n, ok, why, None, req) for n, ok, why, req in
+                    es.followup_checks(name, ref, r, tol=tol, hit_min=hit_min, compare=compare_outputs,
+                                       scratch=scratch)]
+    changed = (rec.get("followup_l2") or {}).get("changed")
+    if changed:
+        out.append(Check("followups_left_stored_objects", False,
+                         f"answering the follow-up references rewrote {len(changed)} stored L2 objects with other "
+                         f"bytes, e.g. {changed[:2]}"))
+    sr = rec.get("server_restart")
+    if sr is not None:
+        outcome, detail = es.server_restart_outcome(sr, hit_min=hit_min)
+        out.append(Check("server_restart_recovers", outcome == "recovered", f"{outcome}: {detail}"))
+        outage = [a for a in sr.get("asks", []) if a.get("phase") == "outage"]
+        if outage:
+            a = outage[0]
+            out.append(Check("server_outage_served", not a.get("error"),
+                             f"a request while the server was down: {a.get('error') or 'answered'} "
+                             f"in {a.get('seconds')} s", required=False))
+    return out
 
 
 def failing(checks: Iterable[Check]) -> list[str]:
