@@ -390,7 +390,13 @@ class GateRun:
                 self._teardown()
         return self.result()
 
+    def _all_shm(self) -> set[str]:
+        pids = [p.pid for p in self.procs.values() if p.alive()]
+        pids += [x["pid"] for r in self._roles_started for x in gsys.marked_pids(self._marker(r))]
+        return gsys.shm_mapped(pids)
+
     def _teardown(self) -> None:
+        shm = self._all_shm()
         for name, p in list(self.procs.items()):
             with contextlib.suppress(procs.ProcessError):
                 if p.alive():
@@ -405,6 +411,7 @@ class GateRun:
             left += gsys.kill_marked(self._marker(role), timeout=self.cfg.kill_timeout_s)
         if left:
             self.warnings.append(f"teardown killed leftover processes of this run: {left}")
+        gsys.unlink_unmapped(shm)
         if self.work is not None and not self.cfg.keep_work and self.verdict is not None \
                 and self.verdict.status == "pass":
             # logs of a failed run stay for inspection; L2 dirs of a pass are removed
@@ -860,6 +867,7 @@ class GateRun:
 
     # abort / verdict ---------------------------------------------------------
     def s_abort(self) -> None:
+        shm = self._all_shm()
         for name, p in list(self.procs.items()):
             with contextlib.suppress(procs.ProcessError):
                 if p.alive():
@@ -869,6 +877,9 @@ class GateRun:
             left = gsys.kill_marked(self._marker(role), timeout=self.cfg.kill_timeout_s)
             if left:
                 self.note("ABORT", f"killed leftover processes of {role}: {left}")
+        removed = gsys.unlink_unmapped(shm)
+        if removed:
+            self.note("ABORT", f"removed {len(removed)} shared-memory files the killed processes had mapped")
 
     def s_verdict(self) -> None:
         for role in ("store", "restore", "control_store", "control_restore"):
@@ -1025,6 +1036,7 @@ class GateRun:
             self.vllm_logs[role] = gs.vllm_log_facts(p.log_text()) if p else None
         elif p is not None:
             self.vllm_logs[role] = gs.vllm_log_facts(p.log_text())
+        shm = self._shm_of(role + "-vllm", p)
         if p is not None:
             self._end(p)  # raises StillAlive
             info["signal"] = p.killed_with
@@ -1038,6 +1050,7 @@ class GateRun:
             if gsys.marked_pids(self._marker(role + "-vllm")):
                 raise GateAbort(f"{name}: processes survive SIGKILL: {left}")
         info["leftovers"] = left
+        info["shm_removed"] = gsys.unlink_unmapped(shm)
         info["gpu"] = self._wait_gpu_free(name)
         info["seconds"] = round(time.monotonic() - t0, 3)
         self.stops.append(info)
@@ -1050,14 +1063,22 @@ class GateRun:
         if p is None:
             return
         self._collect_logs(role)
+        shm = self._shm_of(role, p)
         self._end(p)
         left = gsys.marked_pids(self._marker(role))
         if left:
             self.warnings.append(f"{name}: processes outlived the process group: {left}; killed by pid")
             gsys.kill_marked(self._marker(role), timeout=self.cfg.kill_timeout_s)
-        self.stops.append({"process": name, "signal": p.killed_with, "returncode": p.returncode, "leftovers": left})
+        self.stops.append({"process": name, "signal": p.killed_with, "returncode": p.returncode, "leftovers": left,
+                           "shm_removed": gsys.unlink_unmapped(shm)})
         self.note(role.upper(), f"LMCache server stopped ({p.killed_with})")
         self.procs.pop(name, None)
+
+    def _shm_of(self, role: str, p: procs.ManagedProcess | None) -> set[str]:
+        """The /dev/shm files this role's processes map, read before they are killed (a SIGKILLed
+        vLLM worker leaves LMCache's shared-memory KV cache behind: 2 GiB a run on CPU)."""
+        pids = [x["pid"] for x in gsys.marked_pids(self._marker(role))] + ([p.pid] if p and p.alive() else [])
+        return gsys.shm_mapped(pids)
 
     def _end(self, p: procs.ManagedProcess) -> None:
         """SIGKILL the whole process group (default: nothing may be flushed at shutdown, so a

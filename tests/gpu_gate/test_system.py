@@ -63,3 +63,36 @@ def test_probe_environment_without_torch_or_lmcache():
     assert info["lmcache_files_sha256"] == {}
     assert "torch_error" in info or "torch_cuda" not in info or info.get("cuda_available") is False
     assert "error" in gsys.probe_environment("/nonexistent/python")
+
+
+def test_shared_memory_of_killed_processes_is_removed(tmp_path):
+    """A SIGKILLed worker cleans up none of its /dev/shm files (LMCache's shared-memory KV cache is
+    GiBs): the gate reads what the processes map before the kill and unlinks what nothing maps after."""
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import time  # noqa: PLC0415
+    import uuid  # noqa: PLC0415
+
+    from lmcache_patchtool_verify import gpu_system as gsys  # noqa: PLC0415
+
+    path = f"/dev/shm/gate-test-{uuid.uuid4().hex}"
+    with open(path, "wb") as fh:
+        fh.truncate(1 << 16)
+    code = (f"import mmap,sys,time; f=open({path!r},'r+b'); m=mmap.mmap(f.fileno(), 0); "
+            "print('mapped', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "mapped"
+        seen = gsys.shm_mapped([child.pid])
+        assert path in seen
+        assert gsys.unlink_unmapped(seen) == [] and os.path.exists(path)  # still mapped: kept
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+        time.sleep(0.1)
+        assert gsys.unlink_unmapped(seen) == [path] and not os.path.exists(path)
+    finally:
+        child.kill()
+        if os.path.exists(path):
+            os.unlink(path)

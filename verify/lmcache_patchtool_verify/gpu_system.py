@@ -93,6 +93,34 @@ def kill_marked(run_id: str, timeout: float = 10.0) -> list[dict[str, Any]]:
     return found
 
 
+def shm_mapped(pids: Sequence[int]) -> set[str]:
+    """The /dev/shm files the live processes ``pids`` have mapped (read before a SIGKILL: a killed
+    process cleans up none of them, and LMCache's CPU shared-memory path maps the whole KV cache,
+    ``/dev/shm/lmcache_kv_<pid>_<n>``, GiBs each)."""
+    out: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as fh:
+                for line in fh:
+                    i = line.find("/dev/shm/")
+                    if i >= 0:
+                        out.add(line[i:].strip().removesuffix(" (deleted)"))
+    return out
+
+
+def unlink_unmapped(paths: set[str]) -> list[str]:
+    """Unlink each path no live process still maps; return those removed."""
+    if not paths:
+        return []
+    live = shm_mapped([int(n) for n in os.listdir("/proc") if n.isdigit()])
+    gone = []
+    for p in sorted(paths - live):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+            gone.append(p)
+    return gone
+
+
 # ---------------------------------------------------------------------------
 # GPU memory via nvidia-smi
 # ---------------------------------------------------------------------------
