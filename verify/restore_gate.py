@@ -31,51 +31,43 @@ Verdict per preset: PASS only if every stored chunk is found after the restart,
 at least one came from L2, every restored byte is right and no foreign byte
 changed.  Exit code 0 pass, 1 fail, 2 error.  Human progress goes to stderr,
 ``--json`` prints the report on stdout (``--json-out PATH`` writes it).
+
+The server side is ``lmcache_patchtool_verify.gate_server``, the client steps
+``gate_steps``, the verdicts ``gate_verdict``; this script plans the server
+pairs, runs the phases and writes the report.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
-import re
 import sys
 import time
 import traceback
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from lmcache_patchtool_verify import geometry, procs, tier_objects
-from lmcache_patchtool_verify.xver_outcome import classify
+from lmcache_patchtool_verify.gate_env import quiet_library_output, versions
+from lmcache_patchtool_verify.gate_plan import GateError, PresetRun, json_infos, plan_cycles
+from lmcache_patchtool_verify.gate_server import (HEALTH_PATH, ServerSpec, await_server, kill_server,
+                                                  l2_adapters_status, l2_objects, launch_server, object_groups,
+                                                  server_lmcache_dir)
+from lmcache_patchtool_verify.gate_verdict import preset_report
 from lmcache_patchtool_verify.xver_outcome import preset as gate_preset
-from lmcache_patchtool_verify.xver_state import STATE_SCHEMA, expected_digest, l2_listing, regenerate_expected
+from lmcache_patchtool_verify.xver_state import STATE_SCHEMA, expected_digest, l2_listing
 
 SCHEMA = 1
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 # --preset all: vLLM 0.30+'s GDN view (unpadded row, padded stride) is refused
 # on CPU by every LMCache version (docs/ports.md); name such a preset to run it.
 ALL_PRESETS = tuple(n for n, g in geometry.PRESETS.items() if g.gdn_view != "0.30")
-HEALTH_PATH = "/healthcheck"
-# What LMCache's engine-driven path raises for a multi-group (hybrid) model, in
-# transfer_context/worker_transfer.py: ``_single_group_block_ids`` at the first
-# store (0.5.3-0.5.5), or ``EngineDrivenTransferContext.register`` at
-# registration (0.5.6, before the store is reached).
-ENGINE_DRIVEN_REFUSALS = ("engine-driven transfer does not support hybrid KV cache groups",
-                          "engine-driven transfer does not support multiple KV transfer groups")
 TRANSFER_MODES = ("lmcache_driven", "engine_driven", "auto")
 # --copies: copy i of a preset uses seed + i * COPY_SEED_STEP (a run also draws seed + 1).
 COPY_SEED_STEP = 100
-_PREFETCH_LINE = re.compile(r"Prefetch request completed \(L1\+L2\): (\d+)/(\d+) retained keys "
-                            r"\((\d+) L1, (\d+) L2\).*external_request_id=([^,\s)]+)")
-
-
-class GateError(Exception):
-    """Infrastructure failure: the gate could not reach a verdict."""
 
 
 # ---------------------------------------------------------------------------
@@ -109,204 +101,8 @@ class Display:
 
 
 # ---------------------------------------------------------------------------
-# Server handling
-# ---------------------------------------------------------------------------
-
-
-def lmcache_cli() -> list[str]:
-    """The ``lmcache`` console script of THIS interpreter's environment."""
-    script = Path(sys.executable).parent / "lmcache"
-    if script.exists():
-        return [sys.executable, str(script)]
-    return [sys.executable, "-c", "import sys; from lmcache.cli.main import main; sys.exit(main())"]
-
-
-@dataclass
-class ServerSpec:
-    zmq_port: int
-    http_port: int
-    chunk_size: int
-    l1_size_gb: float
-    l2_dir: Path
-    workdir: Path
-    host: str = "127.0.0.1"
-    # --transfer-mode: the server's --supported-transfer-mode (engine_driven:
-    # PREPARE/COMMIT only; auto: both modules; the gate's default lmcache_driven)
-    transfer_mode: str = "lmcache_driven"
-
-    @property
-    def zmq_url(self) -> str:
-        return f"tcp://{self.host}:{self.zmq_port}"
-
-    @property
-    def health_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}{HEALTH_PATH}"
-
-    def argv(self) -> list[str]:
-        l2 = json.dumps({"type": "fs", "base_path": str(self.l2_dir)}, separators=(",", ":"))
-        return [*lmcache_cli(), "server",
-                "--host", self.host, "--port", str(self.zmq_port),
-                "--http-host", self.host, "--http-port", str(self.http_port),
-                "--chunk-size", str(self.chunk_size),
-                "--l1-size-gb", f"{self.l1_size_gb:g}",
-                "--eviction-policy", "LRU",
-                "--supported-transfer-mode", self.transfer_mode,
-                "--l2-adapter", l2]
-
-
-def l1_shm_path(pid: int) -> Path:
-    """The server's L1 pool: ``L1MemoryManagerConfig.shm_name`` defaults to
-    ``lmcache_l1_pool_<pid>``; a SIGKILLed server leaves it in /dev/shm."""
-    return Path("/dev/shm") / f"lmcache_l1_pool_{pid}"
-
-
-def launch_server(sup: procs.Supervisor, spec: ServerSpec, label: str,
-                  pythonpath: str | None = None) -> procs.ManagedProcess:
-    """Start the server process (own process group); readiness is awaited separately."""
-    env = dict(os.environ)
-    env.update(LMCACHE_DISABLE_BANNER="1", LMCACHE_LOG_LEVEL="INFO", PYTHONUNBUFFERED="1")
-    if pythonpath is not None:
-        env["PYTHONPATH"] = pythonpath
-    proc = sup.start(f"lmcache server {label}", spec.argv(), log_path=spec.workdir / f"server-{label}.log",
-                     env=env, cwd=str(spec.workdir))
-    shm = l1_shm_path(proc.pid)
-    sup.add_cleanup(f"remove {shm}", lambda: shm.unlink(missing_ok=True))
-    return proc
-
-
-def await_server(proc: procs.ManagedProcess, spec: ServerSpec, timeout: float) -> None:
-    """Ready when the server itself answers ``GET /healthcheck`` with ``healthy``
-    (the HTTP frontend only serves once the ZMQ server and engine are up)."""
-    try:
-        proc.wait_ready(procs.http_probe(spec.health_url, json_subset={"status": "healthy"}), timeout)
-    except BaseException:
-        proc.kill()
-        raise
-
-
-def kill_server(proc: procs.ManagedProcess) -> dict[str, Any]:
-    """SIGKILL the group, reap, verify gone, remove the L1 segment."""
-    shm = l1_shm_path(proc.pid)
-    proc.kill(timeout=15)
-    left = shm.exists()
-    shm.unlink(missing_ok=True)
-    return {"signal": "SIGKILL", "returncode": proc.returncode, "group_gone": not procs.group_members(proc.pgid),
-            "l1_shm_segment": str(shm), "l1_shm_left_by_kill": left, "l1_shm_removed": not shm.exists()}
-
-
-def l2_adapters_status(spec: ServerSpec) -> list[dict[str, Any]] | str:
-    """``GET /status`` -> ``storage_manager.l2_adapters`` (each adapter's
-    ``report_status()``), or the error text: recorded, never the verdict."""
-    import urllib.request  # noqa: PLC0415
-
-    try:
-        with urllib.request.urlopen(f"http://{spec.host}:{spec.http_port}/status", timeout=10) as resp:  # noqa: S310
-            return json.loads(resp.read())["storage_manager"]["l2_adapters"]
-    except Exception as exc:  # noqa: BLE001
-        return f"{type(exc).__name__}: {exc}"
-
-
-def server_lmcache_dir(pid: int) -> str | None:
-    """Where the server process loaded lmcache from (its mapped native module)."""
-    try:
-        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-            m = re.search(r"(\S+)/lmcache/native_storage_ops[^/]*\.so$", line)
-            if m:
-                return m.group(1)
-    except OSError:
-        pass
-    return None
-
-
-def prefetch_split(log_text: str, request_id: str) -> dict[str, int] | None:
-    """The server's own L1/L2 account of one lookup's prefetch (None: no hit logged)."""
-    for m in _PREFETCH_LINE.finditer(log_text):
-        if m.group(5) == request_id:
-            return {"keys_hit": int(m.group(1)), "keys_requested": int(m.group(2)),
-                    "l1": int(m.group(3)), "l2": int(m.group(4))}
-    return None
-
-
-_OBJECT_GROUP_LINE = re.compile(r"Object group (\d+) of (\S+) keys objects as")
-
-
-def object_groups(log_text: str, model: str) -> int:
-    """How many object groups the server keys ``model``'s chunks into: a patched
-    server logs each at registration (a hybrid's GDN and attention groups are
-    separate objects from part 06 on); no line (pristine): one merged group."""
-    ids = [int(m.group(1)) for m in _OBJECT_GROUP_LINE.finditer(log_text) if m.group(2) == model]
-    return max(ids) + 1 if ids else 1
-
-
-def l2_objects(l2_dir: Path, model: str) -> list[Path]:
-    """Finished objects of ``model`` in the fs L2 (written as .tmp, renamed to .data).
-
-    The model field is ``model`` or, where a build keys by layout, ``model+<namespace>``
-    (``+`` never occurs in the gate's own model names)."""
-    safe = model.replace("/", "-SEP-")
-    return sorted(p for p in l2_dir.glob("*.data")
-                  if p.name.startswith(safe + "@") or p.name.startswith(safe + "+"))
-
-
-# ---------------------------------------------------------------------------
-# Plan
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class PresetRun:
-    geo: geometry.Geometry
-    chunk_size: int
-    chunks: int
-    seed: int
-    model: str = ""
-    result: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-    # live state during the run
-    layout: Any = None
-    restore_layout: Any = None  # the fresh client's after the restart (--restart-window-rule)
-    tokens: list[int] = field(default_factory=list)
-    src_ids: list[list[int]] = field(default_factory=list)
-    dst_ids: list[list[int]] = field(default_factory=list)
-    expected: dict = field(default_factory=dict)
-    client1: Any = None
-    num_blocks: int = 0
-    # --phase restore: which writer stored it, and its entry in the writer's state file
-    writer: str = ""
-    state_entry: dict = field(default_factory=dict)
-
-    @property
-    def blocks_per_chunk(self) -> int:
-        return self.chunk_size // self.geo.tokens_per_block
-
-    @property
-    def stored_tokens(self) -> int:
-        return self.chunks * self.chunk_size
-
-    def full_object_bytes(self) -> int:
-        """Bytes of one chunk's object if every FA/GDN byte were kept."""
-        g = self.geo
-        return self.blocks_per_chunk * (g.num_fa_layers * g.fa_block_bytes + g.num_gdn_layers * g.gdn_block_bytes)
-
-
-def _json_infos(infos: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    return None if infos is None else [dict(i, layer_indices=list(i["layer_indices"])) for i in infos]
-
-
-def plan_cycles(names: list[str], chunk_blocks: int, chunk_size: int | None) -> list[tuple[int, list[str]]]:
-    """Group presets by chunk size (one server pair per group), in given order."""
-    cycles: dict[int, list[str]] = {}
-    for name in names:
-        geo = gate_preset(name)
-        c = chunk_size if chunk_size else chunk_blocks * geo.tokens_per_block
-        if c % geo.tokens_per_block:
-            raise SystemExit(f"--chunk-size {c} is not a multiple of {name}'s block size {geo.tokens_per_block}")
-        cycles.setdefault(c, []).append(name)
-    return list(cycles.items())
-
-
-# ---------------------------------------------------------------------------
-# The gate
+# The gate: server pairs and phases (the client steps are gate_steps.ClientSteps,
+# the verdicts gate_verdict.preset_report, the server gate_server)
 # ---------------------------------------------------------------------------
 
 
@@ -317,6 +113,8 @@ class Gate:
         self.cycles: list[dict[str, Any]] = []
         self.runs: list[PresetRun] = []
         self.server_info: dict[str, Any] = {}
+        self.steps: Any = None  # gate_steps.ClientSteps once torch + lmcache are imported
+        self.cleanup_errors: list[Any] = []
 
     @contextmanager
     def phase(self, cycle: dict[str, Any], name: str) -> Iterator[None]:
@@ -330,17 +128,18 @@ class Gate:
 
     def _import_client(self) -> None:
         """torch + lmcache (seconds on a small machine): done while server A boots."""
-        if getattr(self, "gc", None) is None:
-            from lmcache_patchtool_verify import gate_client as gc  # noqa: PLC0415
+        if self.steps is None:
+            # Function-level: the client steps import torch and lmcache, which
+            # `--help` and a server that never starts must not wait for.
+            from lmcache_patchtool_verify.gate_steps import ClientSteps  # noqa: PLC0415
 
-            self.gc = gc
+            self.steps = ClientSteps(self.args)
             self.on_imported()
 
     def on_imported(self) -> None:  # replaced by main() to print the version header
         pass
 
     def run(self) -> None:
-        self.gc = None
         args = self.args
         if args.phase == "restore":
             self._run_restore_phase()
@@ -402,9 +201,9 @@ class Gate:
         for r in runs:
             r.model = f"{model_prefix}-{r.geo.name}-{uuid.uuid4().hex[:8]}"
             with self.phase(cycle, "register_fill"):
-                self._guard(r, "register+fill", lambda r=r: self._prepare_source(r, spec))
+                self._guard(r, "register+fill", lambda r=r: self.steps.prepare_source(r, spec))
             with self.phase(cycle, "store"):
-                self._guard(r, "store", lambda r=r: self._store(r))
+                self._guard(r, "store", lambda r=r: self.steps.store(r))
             self._alive_or_die(server)
             if not r.error:
                 st = r.result["stored"]
@@ -431,18 +230,22 @@ class Gate:
             except TimeoutError:
                 flushed_ok = False
             for r in runs:
-                if r.error:
-                    continue
-                objs = l2_objects(l2_dir, r.model)
-                # KV bytes: a patched build's file also holds a 64-byte checksum trailer
-                sizes = sorted({tier_objects.kv_len(p) for p in objs})
-                r.result["on_disk"] = {"objects": len(objs), "expected": want[r.model], "object_bytes": sizes,
-                                       "checksum_trailers": sum(tier_objects.has_trailer(p) for p in objs),
-                                       "full_fidelity_object_bytes": r.full_object_bytes(),
-                                       "fraction_of_full": (sizes[0] / r.full_object_bytes()) if sizes else None,
-                                       "model_fields": l2_listing(objs)}
+                if not r.error:
+                    r.result["on_disk"] = self._on_disk(r, l2_dir, want[r.model])
             self.d.step(f"L2 flushed: {sum(len(l2_objects(l2_dir, m)) for m in want)}/{sum(want.values())} "
                         f"objects on disk in {l2_dir}", time.monotonic() - t0, flushed_ok)
+
+    @staticmethod
+    def _on_disk(r: PresetRun, l2_dir: Path, expected: int) -> dict[str, Any]:
+        """What one preset left in the fs L2: object count and sizes."""
+        objs = l2_objects(l2_dir, r.model)
+        # KV bytes: a patched build's file also holds a 64-byte checksum trailer
+        sizes = sorted({tier_objects.kv_len(p) for p in objs})
+        return {"objects": len(objs), "expected": expected, "object_bytes": sizes,
+                "checksum_trailers": sum(tier_objects.has_trailer(p) for p in objs),
+                "full_fidelity_object_bytes": r.full_object_bytes(),
+                "fraction_of_full": (sizes[0] / r.full_object_bytes()) if sizes else None,
+                "model_fields": l2_listing(objs)}
 
     def _kill(self, cycle: dict[str, Any], server: procs.ManagedProcess, label: str) -> dict[str, Any]:
         with self.phase(cycle, "kill"):
@@ -454,39 +257,11 @@ class Gate:
                     time.monotonic() - t_kill, kill["group_gone"] and kill["l1_shm_removed"])
         return kill
 
-    def _restore_all(self, cycle: dict[str, Any], runs: list[PresetRun], spec: ServerSpec,
-                     server: procs.ManagedProcess) -> None:
-        """Fresh client per preset: look up, prefetch from L2, retrieve elsewhere, compare."""
-        for r in runs:
-            if r.error:
-                continue
-            with self.phase(cycle, "restore"):
-                self._guard(r, "restore", lambda r=r: self._restore(r, spec, server))
-            self._alive_or_die(server)
-            if not r.error:
-                self._print_restore(r)
-
-    def _cycle(self, n: int, chunk: int, runs: list[PresetRun]) -> None:
-        args, d, sup = self.args, self.d, self.sup
-        cycle = self._new_cycle(n, chunk, runs)
-        workdir = sup.tempdir(prefix="lmcache-restore-gate-")
-        l2_dir = workdir / "l2"
-        l2_dir.mkdir()
-        cycle["workdir"] = str(workdir)
-        l1_gb = self._l1_gb(runs)
-
-        # 1.-3. first server, store, every chunk on disk
-        server, spec = self._start_server(cycle, chunk, l1_gb, l2_dir, workdir, "A", "server_start_1")
-        self._store_all(cycle, runs, spec, server, "restore-gate")
-        self._flush(cycle, runs, l2_dir, server)
-
-        # 4. hard kill
-        t_kill = time.monotonic()
-        self._kill(cycle, server, "A")
-
-        # 5. fresh server on the same ports and L2 directory
+    def _restart(self, cycle: dict[str, Any], spec: ServerSpec, t_kill: float) -> tuple[procs.ManagedProcess, float]:
+        """Server B on the same ports and L2 directory; the restart window since the kill."""
+        args = self.args
         with self.phase(cycle, "server_start_2"):
-            server = launch_server(sup, spec, "B", pythonpath=args.restart_pythonpath)
+            server = launch_server(self.sup, spec, "B", pythonpath=args.restart_pythonpath)
             cycle["servers"].append(server.describe())
             try:
                 await_server(server, spec, args.server_timeout)
@@ -497,32 +272,65 @@ class Gate:
         cycle["restart_window_s"] = round(restart_window, 3)
         cycle["servers"][-1] = self._server_desc(server, spec, "B")
         other = cycle["servers"][-1]["lmcache_dir"] if args.restart_pythonpath else None
-        d.step(f"server B up on the same ports and L2 dir: pid {server.pid} "
-               f"(restart window {restart_window:.1f} s)" + (f", lmcache from {other}" if other else ""),
-               server.ready_at - server.started_at)
+        self.d.step(f"server B up on the same ports and L2 dir: pid {server.pid} "
+                    f"(restart window {restart_window:.1f} s)" + (f", lmcache from {other}" if other else ""),
+                    server.ready_at - server.started_at)
+        return server, restart_window
 
-        # 6. fresh client: look up, prefetch from L2, retrieve elsewhere, compare
-        self._restore_all(cycle, runs, spec, server)
+    def _restore_all(self, cycle: dict[str, Any], runs: list[PresetRun], spec: ServerSpec,
+                     server: procs.ManagedProcess) -> None:
+        """Fresh client per preset: look up, prefetch from L2, retrieve elsewhere, compare."""
+        for r in runs:
+            if r.error:
+                continue
+            with self.phase(cycle, "restore"):
+                self._guard(r, "restore", lambda r=r: self.steps.restore(r, spec, server))
+            self._alive_or_die(server)
+            if not r.error:
+                self._print_restore(r)
 
-        # 7. optional: the worker that stayed alive across the restart
+    def _stay_alive_arm(self, cycle: dict[str, Any], runs: list[PresetRun], server: procs.ManagedProcess,
+                        restart_window: float) -> None:
+        """Optional: the first client, alive all along like a running vLLM (never the verdict)."""
         for r in runs:
             if r.client1 is None:
                 continue
             with self.phase(cycle, "stay_alive"):
-                if args.stay_alive and not r.error:
+                if self.args.stay_alive and not r.error:
                     try:
-                        r.result["stay_alive"] = self._stay_alive(r, server, restart_window)
+                        r.result["stay_alive"] = self.steps.stay_alive(r, server, restart_window)
                     except Exception as exc:  # noqa: BLE001 - optional arm, never the verdict
                         r.result["stay_alive"] = {"ran": False, "error": f"{type(exc).__name__}: {exc}"}
                     sa = r.result["stay_alive"]
-                    d.step(f"{r.geo.name}: stay-alive worker: {sa.get('summary', sa.get('error'))}", None, None)
+                    self.d.step(f"{r.geo.name}: stay-alive worker: {sa.get('summary', sa.get('error'))}",
+                                None, None)
                 r.client1.close(graceful=server.alive())
                 r.client1 = None
 
+    def _cycle(self, n: int, chunk: int, runs: list[PresetRun]) -> None:
+        """--phase both: store, flush, hard kill, restart, restore."""
+        cycle = self._new_cycle(n, chunk, runs)
+        workdir = self.sup.tempdir(prefix="lmcache-restore-gate-")
+        l2_dir = workdir / "l2"
+        l2_dir.mkdir()
+        cycle["workdir"] = str(workdir)
+        # 1.-3. first server, store, every chunk on disk
+        server, spec = self._start_server(cycle, chunk, self._l1_gb(runs), l2_dir, workdir, "A", "server_start_1")
+        self._store_all(cycle, runs, spec, server, "restore-gate")
+        self._flush(cycle, runs, l2_dir, server)
+        # 4. hard kill
+        t_kill = time.monotonic()
+        self._kill(cycle, server, "A")
+        # 5. fresh server on the same ports and L2 directory
+        server, restart_window = self._restart(cycle, spec, t_kill)
+        # 6. fresh client: look up, prefetch from L2, retrieve elsewhere, compare
+        self._restore_all(cycle, runs, spec, server)
+        # 7. optional: the worker that stayed alive across the restart
+        self._stay_alive_arm(cycle, runs, server, restart_window)
         with self.phase(cycle, "shutdown"):
             cycle["servers"][-1]["kill"] = kill_server(server)
 
-    # -- cross-version phases (verify/xver_gate.py runs them in two venvs) ----
+    # -- cross-version phases (scripts/xver_gate.py runs them in two venvs) ----
     def _store_cycle(self, n: int, chunk: int, runs: list[PresetRun]) -> None:
         """--phase store: start, store, flush to ``--l2-dir``, SIGKILL.  Nothing is restored here."""
         args = self.args
@@ -550,20 +358,17 @@ class Gate:
                      "dst_ids": r.dst_ids, "error": r.error,
                      "expected_sha256": expected_digest(r.expected) if r.expected else None,
                      "chunk_hashes": tier_objects.chunk_hashes(r.tokens, r.chunk_size, r.chunks) if r.tokens else None,
-                     "engine_groups": _json_infos(r.layout.infos if r.layout else None),
+                     "engine_groups": json_infos(r.layout.infos if r.layout else None),
                      "stored": r.result.get("stored"), "on_disk": r.result.get("on_disk")}
             entries.append(entry)
         state = {"schema": STATE_SCHEMA, "writer": self.args.model_prefix, "l2_dir": str(self.args.l2_dir),
                  "versions": versions(), "presets": entries}
         Path(self.args.state_out).write_text(json.dumps(state, indent=1) + "\n")
 
-    def _run_restore_phase(self) -> None:
-        """--phase restore: per chunk size, one fresh server over ``--l2-dir`` and a
-        fresh client per stored (writer, preset) of every ``--state-in``."""
-        args = self.args
-        states = [json.loads(Path(p).read_text()) for p in args.state_in]
+    def _load_states(self) -> dict[int, list[PresetRun]]:
+        """--phase restore: every writer's stored presets (from ``--state-in``), by chunk size."""
         by_chunk: dict[int, list[PresetRun]] = {}
-        for st in states:
+        for st in (json.loads(Path(p).read_text()) for p in self.args.state_in):
             if st.get("schema") != STATE_SCHEMA:
                 raise GateError(f"state file of writer {st.get('writer')}: schema {st.get('schema')}, "
                                 f"this gate reads {STATE_SCHEMA}")
@@ -576,8 +381,14 @@ class Gate:
                 r.tokens, r.src_ids, r.dst_ids, r.num_blocks = e["tokens"], e["src_ids"], e["dst_ids"], e["num_blocks"]
                 by_chunk.setdefault(r.chunk_size, []).append(r)
                 self.runs.append(r)
-        l2_dir = Path(args.l2_dir)
-        with procs.Supervisor(keep_paths=args.keep_tmp) as sup:
+        return by_chunk
+
+    def _run_restore_phase(self) -> None:
+        """--phase restore: per chunk size, one fresh server over ``--l2-dir`` and a
+        fresh client per stored (writer, preset) of every ``--state-in``."""
+        by_chunk = self._load_states()
+        l2_dir = Path(self.args.l2_dir)
+        with procs.Supervisor(keep_paths=self.args.keep_tmp) as sup:
             self.sup = sup
             for n, (chunk, runs) in enumerate(by_chunk.items(), 1):
                 self.d.head(f"[cycle {n}/{len(by_chunk)}] chunk size {chunk} tokens: "
@@ -625,218 +436,6 @@ class Gate:
             r.result["traceback"] = traceback.format_exc()
             self.d.step(f"{r.geo.name}: ERROR during {what}: {type(exc).__name__}: {exc}", None, False)
 
-    def _num_blocks(self, r: PresetRun, layout) -> int:
-        return 1 + layout.num_groups * r.chunks * r.blocks_per_chunk + 2
-
-    def _prepare_source(self, r: PresetRun, spec: ServerSpec) -> None:
-        gc, args = self.gc, self.args
-        import random  # noqa: PLC0415
-
-        # The connector's EngineGroupInfo, window fields included (0.5.4+: the GDN
-        # group has sw_size_tokens = N, so the server keeps only its chunk-end slot).
-        r.layout = gc.Layout(r.geo, geometry.engine_group_infos(r.geo, args.window_rule))
-        r.restore_layout = gc.Layout(r.geo, geometry.engine_group_infos(
-            r.geo, args.restart_window_rule or args.window_rule))
-        r.num_blocks = self._num_blocks(r, r.layout)
-        per_group = r.chunks * r.blocks_per_chunk
-        r.src_ids = gc.choose_block_ids(r.layout.num_groups, per_group, r.num_blocks, r.seed)
-        r.dst_ids = gc.choose_block_ids(r.layout.num_groups, per_group, r.num_blocks, r.seed + 1,
-                                        differ_from=r.src_ids)
-        rng = random.Random(r.seed)
-        # a prompt of `chunks` full chunks plus a partial one (never stored)
-        r.tokens = [rng.randrange(1, 150_000) for _ in range(r.stored_tokens + r.geo.tokens_per_block // 2)]
-        t0 = time.monotonic()
-        r.client1 = gc.Client(spec.zmq_url, r.model, r.layout, mq_timeout=args.step_timeout,
-                              heartbeat_interval=args.heartbeat_interval, transfer_mode=args.transfer_mode)
-        caches = geometry.build_kv_caches(r.geo, r.num_blocks, fill=0)
-        self._connector_edits(r, caches, "store")
-        r.client1.register(caches)
-        r.expected = gc.fill_source(r.client1, r.src_ids, r.seed)  # AFTER registration: live shared memory
-        r.result["register_seconds"] = round(time.monotonic() - t0, 3)
-
-    def _store(self, r: PresetRun) -> None:
-        args = self.args
-        t0 = time.monotonic()
-        rid = f"gate-store-{uuid.uuid4().hex[:12]}"
-        miss = r.client1.lookup(rid, r.tokens, args.step_timeout)  # vLLM looks up every new request first
-        ok = r.client1.store(rid, r.tokens, r.src_ids, r.stored_tokens, args.step_timeout)
-        r.client1.finish_request(rid)
-        r.result["stored"] = {"ok": ok, "chunks_ok": r.chunks if ok else 0, "tokens": r.stored_tokens,
-                              "lookup_before_store_hit_tokens": miss, "seconds": round(time.monotonic() - t0, 3)}
-
-    def _restore(self, r: PresetRun, spec: ServerSpec, server: procs.ManagedProcess) -> None:
-        gc, args = self.gc, self.args
-        t0 = time.monotonic()
-        xver = args.phase == "restore"
-        if r.layout is None:  # reader phase: the READER's connector sets the window fields
-            r.layout = r.restore_layout = gc.Layout(r.geo, geometry.engine_group_infos(r.geo, args.window_rule))
-        client = gc.Client(spec.zmq_url, r.model, r.restore_layout or r.layout, mq_timeout=args.step_timeout,
-                           heartbeat_interval=args.heartbeat_interval, transfer_mode=args.transfer_mode)
-        try:
-            caches = geometry.build_kv_caches(r.geo, r.num_blocks, fill=gc.POISON)
-            self._connector_edits(r, caches, "restore")
-            client.register(caches)
-            gc.poison(client)  # AFTER registration: registration re-points the storage
-            if xver:
-                self._regenerate_expected(r, client)
-            rid = f"gate-restore-{uuid.uuid4().hex[:12]}"
-            t_lookup = time.monotonic()
-            hit = client.lookup(rid, r.tokens, args.step_timeout)
-            lookup_s = time.monotonic() - t_lookup
-            found = hit // r.chunk_size
-            split = prefetch_split(server.log_text(), rid)
-            if split is None and hit:  # the line is logged before the answer; allow for a slow flush
-                try:
-                    split = procs.wait_until(lambda: prefetch_split(server.log_text(), rid), 2.0, poll=0.05)
-                except TimeoutError:
-                    split = None
-            if split is not None:
-                split["source"] = "server log"
-            elif hit:
-                # No log line (another lmcache version?): a fresh server's L1 cannot
-                # hold this model's keys before its first lookup, so hits are L2's.
-                split = {"keys_hit": found, "keys_requested": None, "l1": 0, "l2": found,
-                         "source": "inferred: fresh server, first lookup of this model (no prefetch log line)"}
-            else:
-                split = {"keys_hit": 0, "keys_requested": None, "l1": 0, "l2": 0,
-                         "source": "no hit (the server logs nothing)"}
-            retrieve = {"ok": None, "detail": "skipped: no hit"}
-            t_ret = time.monotonic()
-            if hit:
-                try:
-                    ok, detail = client.retrieve(rid, r.tokens, r.dst_ids, hit, args.step_timeout)
-                except Exception as exc:  # noqa: BLE001
-                    if not xver:
-                        raise
-                    # another build's object may be refused loudly: a miss if nothing was written
-                    ok, detail = False, f"raised {type(exc).__name__}: {exc}"
-                retrieve = {"ok": ok, "detail": detail}
-            retrieve_s = time.monotonic() - t_ret
-            client.finish_request(rid)
-            t_cmp = time.monotonic()
-            check = gc.check_restore(client, r.dst_ids, r.expected, chunks=r.chunks,
-                                     blocks_per_chunk=r.blocks_per_chunk, restored_chunks=found,
-                                     untouched=gc.POISON)
-            if xver and retrieve["ok"] is False:
-                # A failed retrieve must have written nothing: every byte still poison.
-                check["foreign_writes"] = gc.check_restore(
-                    client, r.dst_ids, r.expected, chunks=r.chunks, blocks_per_chunk=r.blocks_per_chunk,
-                    restored_chunks=0, untouched=gc.POISON)["foreign_writes"]
-            compare_s = time.monotonic() - t_cmp
-        finally:
-            client.close(graceful=server.alive())
-        r.result["after_restart"] = {"hit_tokens": hit, "chunks_found": found, "chunks_stored": r.chunks,
-                                     "server_prefetch": split, "l2_hits": split["l2"], "l1_hits": split["l1"],
-                                     "lookup_seconds": round(lookup_s, 3)}
-        r.result["restored"] = {"retrieve": retrieve, "chunks_restored_exact": check["chunks_exact"],
-                                "per_chunk": check["per_chunk"], "retrieve_seconds": round(retrieve_s, 3),
-                                "compare_seconds": round(compare_s, 3), "seconds": round(time.monotonic() - t0, 3)}
-        r.result["fidelity"] = {"fa": check["fa"], "gdn": check["gdn"]}
-        r.result["foreign_writes"] = check["foreign_writes"]
-        if xver:
-            r.result["xver"] = {"chunks_stored": r.chunks, "chunks_hit": found, "retrieve_ok": retrieve["ok"],
-                                "chunks_exact": sum(1 for c in check["per_chunk"][:found] if c["exact"]),
-                                "foreign_bytes": check["foreign_writes"]["bytes"]}
-
-    def _connector_edits(self, r: PresetRun, caches: Any, when: str) -> None:
-        """--connector-edits: register what the installed connector registers.
-
-        Runs the version's own ``apply_kv_cache_group_edits`` on vLLM's tensors
-        (0.5.6 re-views a hybrid's sub-paged attention as ``(nb, 2, N, 1, hs')``;
-        0.5.5+ re-views GDN with ``as_strided``).  Every edit is a contiguous view
-        of the same memory, so a logical block is still one row of the registered
-        tensor (checked: a copy would make the byte checks read stale memory).
-        """
-        if not self.args.connector_edits:
-            return
-        from lmcache_patchtool_verify import ports_edits  # noqa: PLC0415 - target env only
-
-        info = ports_edits.apply_edits(caches, "HND")
-        for layer, t in enumerate(caches.tensors):
-            if not t.is_contiguous() or t.data_ptr() != caches.raw[layer].data_ptr():
-                raise GateError(f"{r.geo.name}: the connector's edit of layer {layer} is not a contiguous view "
-                                f"of vLLM's tensor (shape {tuple(t.shape)}): the gate's byte checks cannot follow it")
-        r.result.setdefault("connector_edits", {})[when] = [
-            {"layer": x["layer"], "kind": x["kind"], "edited": x["edited"], "shape": x["shape"]}
-            for x in info["layers"]]
-
-    def _regenerate_expected(self, r: PresetRun, client: Any) -> None:
-        """The writer's source bytes, from its seed, proven equal by the writer's digest."""
-        rows = [client.rows(layer).shape[1] for layer in range(len(r.geo.layer_kinds))]
-        r.expected = regenerate_expected(rows, client.layout.group_of_layer, r.src_ids, r.seed)
-        want = r.state_entry["expected_sha256"]
-        got = expected_digest(r.expected)
-        if got != want:
-            raise GateError(f"{r.writer}/{r.geo.name}: the source bytes regenerated from seed {r.seed} do not "
-                            f"match the writer's (sha256 {got[:12]} != {want[:12]}): not deterministic across "
-                            f"the two environments, refusing to judge")
-
-    def _stay_alive(self, r: PresetRun, server: procs.ManagedProcess, restart_window: float) -> dict[str, Any]:
-        """The first client never restarted.  Report what the target does with it."""
-        gc, args = self.gc, self.args
-        c = r.client1
-        hb = args.heartbeat_interval if args.heartbeat_interval is not None else \
-            getattr(c.worker, "_heartbeat_interval", None)
-        out: dict[str, Any] = {"ran": True, "heartbeat_interval_s": hb, "restart_window_s": round(restart_window, 3),
-                               "worker_healthy": c.worker.is_healthy, "instance_id": c.instance_id}
-        if not c.worker.is_healthy and hb:
-            # Degraded mode (the heartbeat saw the outage): a live vLLM keeps
-            # serving, so give the heartbeat up to two intervals to recover.
-            t0 = time.monotonic()
-            with contextlib.suppress(TimeoutError):
-                procs.wait_until(lambda: c.worker.is_healthy, min(2 * hb + 1, args.step_timeout), poll=0.05)
-            out["waited_for_recovery_s"] = round(time.monotonic() - t0, 3)
-        out["reregistered_with_new_server"] = f"Registered KV cache for GPU ID {c.instance_id}" in server.log_text()
-        rid = f"gate-stayalive-{uuid.uuid4().hex[:12]}"
-        hit = c.lookup(rid, r.tokens, args.step_timeout)
-        out["lookup_hit_tokens"] = hit
-        out["chunks_found"] = hit // r.chunk_size
-        if hit:
-            blocks = {layer: r.src_ids[r.layout.group_of_layer[layer]] for layer in range(len(r.geo.layer_kinds))}
-            gc.poison(c, blocks)
-            ok, detail = c.retrieve(rid, r.tokens, r.src_ids, hit, args.step_timeout)
-            check = gc.check_restore(c, r.src_ids, r.expected, chunks=r.chunks, blocks_per_chunk=r.blocks_per_chunk,
-                                     restored_chunks=hit // r.chunk_size, untouched=gc.BACKGROUND)
-            out["retrieve"] = {"ok": ok, "detail": detail}
-            out["chunks_restored_exact"] = check["chunks_exact"]
-            out["fidelity"] = {"fa": check["fa"], "gdn": check["gdn"]}
-            out["foreign_writes"] = check["foreign_writes"]["bytes"]
-        c.finish_request(rid)
-        out["server_had_no_layout_for_model"] = f"No GPU context found for model {r.model}" in server.log_text()
-        out["worker_healthy_after"] = c.worker.is_healthy
-        if hit == 0:
-            why = ("the worker never re-registered with the new server (its heartbeat saw no failure)"
-                   if not out["reregistered_with_new_server"] else "re-registered, but still no hit")
-            if out["server_had_no_layout_for_model"]:
-                why += "; the server had no KV layout for the model, so its lookup answered 0"
-            out["summary"] = f"0 hits after the restart: {why}"
-        else:
-            out["summary"] = (f"{out['chunks_found']}/{r.chunks} chunks found, "
-                              f"{out.get('chunks_restored_exact', 0)} restored exactly"
-                              + (" (re-registered)" if out["reregistered_with_new_server"] else ""))
-        return out
-
-    # -- verdicts --------------------------------------------------------------
-    def _store_phase_report(self, r: PresetRun, rep: dict[str, Any]) -> dict[str, Any]:
-        """--phase store: pass = the server confirmed the store and every chunk is on disk."""
-        st, od = r.result.get("stored", {}), r.result.get("on_disk", {})
-        reasons = []
-        if not st.get("ok"):
-            reasons.append("the server did not confirm the store")
-        if od.get("objects", 0) < od.get("expected", r.chunks):
-            reasons.append(f"only {od.get('objects', 0)}/{od.get('expected', r.chunks)} objects reached the fs L2")
-        rep["verdict"] = "fail" if reasons else "pass"
-        rep["reasons"] = reasons or [f"{r.chunks} chunks stored and on disk ({od.get('object_bytes')} B each)"]
-        return rep
-
-    def _restore_phase_report(self, r: PresetRun, rep: dict[str, Any]) -> dict[str, Any]:
-        """--phase restore: one outcome (exact / miss / wrong); fail only on a wrong hit."""
-        outcome, why = classify(r.result.get("xver") or {"error": "not completed: no restore result"})
-        rep.update(writer=r.writer, outcome=outcome, outcome_why=why)
-        rep["verdict"] = {"wrong": "fail", "error": "error"}.get(outcome, "pass")
-        rep["reasons"] = [f"{outcome}: {why}"]
-        return rep
-
     def _print_restore(self, r: PresetRun) -> None:
         res, d = r.result, self.d
         ar, rs = res["after_restart"], res["restored"]
@@ -857,101 +456,15 @@ class Gate:
                rs["chunks_restored_exact"] == r.chunks and fw["bytes"] == 0)
 
     def preset_report(self, r: PresetRun) -> dict[str, Any]:
-        rep: dict[str, Any] = {"preset": r.geo.name, "geometry": r.geo.to_json(), "model_name": r.model,
-                               "chunk_size": r.chunk_size, "chunks": r.chunks,
-                               "blocks_per_chunk": r.blocks_per_chunk, "num_logical_blocks": r.num_blocks,
-                               "block_ids": {"store": r.src_ids, "retrieve": r.dst_ids},
-                               "engine_groups": _json_infos(r.layout.infos if r.layout else None),
-                               "engine_groups_after_restart": _json_infos(
-                                   r.restore_layout.infos if r.restore_layout else None)}
-        rep.update({k: v for k, v in r.result.items() if k != "traceback"})
-        reasons: list[str] = []
-        if r.error and self.args.transfer_mode != "lmcache_driven" \
-                and any(m in r.error for m in ENGINE_DRIVEN_REFUSALS):
-            # The engine-driven path refusing a multi-group model: a loud
-            # failure (the pristine outcome), not an infrastructure error.
-            rep["verdict"], rep["loud_refusal"] = "fail", True
-            rep["reasons"] = [f"loud refusal ({r.error.splitlines()[0]})"]
-            return rep
-        if r.error:
-            rep["verdict"], rep["reasons"] = "error", [r.error]
-            if "traceback" in r.result:
-                rep["traceback"] = r.result["traceback"]
-            if self.args.phase == "restore":
-                rep.update(writer=r.writer, outcome="error", outcome_why=r.error.splitlines()[0])
-            return rep
-        if self.args.phase == "store":
-            return self._store_phase_report(r, rep)
-        if self.args.phase == "restore":
-            return self._restore_phase_report(r, rep)
-        st = r.result.get("stored", {})
-        if not st.get("ok"):
-            reasons.append("the server did not confirm the store")
-        od = r.result.get("on_disk", {})
-        if od.get("objects", 0) < od.get("expected", r.chunks):
-            reasons.append(f"only {od.get('objects', 0)}/{od.get('expected', r.chunks)} objects reached the fs L2")
-        ar = r.result.get("after_restart")
-        if ar is None:
-            rep["verdict"], rep["reasons"] = "error", ["not completed: the run stopped before the restore"]
-            return rep
-        if ar["hit_tokens"] == 0:
-            reasons.append("0 hits after the restart (nothing restored: a vacuous pass is a fail)")
-        elif ar["chunks_found"] < r.chunks:
-            reasons.append(f"lost chunks: {ar['chunks_found']}/{r.chunks} found after the restart")
-        if ar["hit_tokens"] and ar["l2_hits"] == 0:
-            reasons.append("0 L2 hits after the restart (the server did not serve from disk)")
-        rs = r.result["restored"]
-        if ar["hit_tokens"] and not rs["retrieve"]["ok"]:
-            reasons.append(f"retrieve failed: {rs['retrieve']['detail']}")
-        fa, gdn = r.result["fidelity"]["fa"], r.result["fidelity"]["gdn"]
-        if fa and fa["pages_total"] and fa["pages_exact"] < fa["pages_total"]:
-            reasons.append(f"wrong FA bytes: {fa['pages_exact']}/{fa['pages_total']} kernel pages exact "
-                           f"({fa['pages_fraction']:.1%}), {fa['bytes_total'] - fa['bytes_equal']} bytes differ")
-        if gdn and gdn["blocks_total"] and gdn["blocks_exact"] < gdn["blocks_total"]:
-            reasons.append(f"wrong GDN bytes: {gdn['blocks_exact']}/{gdn['blocks_total']} blocks exact")
-        fw = r.result["foreign_writes"]
-        if fw["bytes"]:
-            reasons.append(f"foreign writes: {fw['bytes']} bytes in {fw['blocks']} blocks outside the destination")
-        if gdn is not None and ar["hit_tokens"] and not gdn["blocks_total"]:
-            reasons.append("no GDN slot expected to be restored (the expectation is broken)")
-        rep["verdict"] = "fail" if reasons else "pass"
-        nr = (gdn or {}).get("blocks_not_restored_by_design")
-        rep["reasons"] = reasons or ["every stored chunk came back from L2 after a hard kill, byte-exact, "
-                                     "into other block ids, with no foreign write"
-                                     + (f" (GDN: the chunk-end slot of each chunk, which is all the server "
-                                        f"stores; {nr} non-end slots stay unrestored)" if nr else "")]
-        return rep
+        return preset_report(r, self.args.phase, self.args.transfer_mode)
 
 
 # ---------------------------------------------------------------------------
-# Report, CLI
+# CLI
 # ---------------------------------------------------------------------------
 
 
-def versions() -> dict[str, Any]:
-    import importlib.metadata as md  # noqa: PLC0415
-
-    out: dict[str, Any] = {"python": platform.python_version(), "executable": sys.executable,
-                           "platform": platform.platform()}
-    for dist in ("lmcache", "torch"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[dist] = None
-    try:
-        import lmcache  # noqa: PLC0415
-
-        pkg = Path(lmcache.__file__).resolve().parent
-        out["lmcache_dir"] = str(pkg.parent)
-        stamp = pkg.parent / ".provisioned"
-        if stamp.exists():
-            out["overlay"] = json.loads(stamp.read_text())
-    except Exception as exc:  # noqa: BLE001
-        out["lmcache_import_error"] = f"{type(exc).__name__}: {exc}"
-    return out
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", action="append", metavar="NAME",
@@ -988,7 +501,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--phase", choices=["both", "store", "restore"], default="both",
                     help="both (default): the restore gate. store: store and flush into --l2-dir, SIGKILL, write "
                          "--state-out. restore: a fresh server over --l2-dir restores what each --state-in "
-                         "stored and judges it exact/miss/wrong (verify/xver_gate.py runs the two in two venvs)")
+                         "stored and judges it exact/miss/wrong (scripts/xver_gate.py runs the two in two venvs)")
     ap.add_argument("--connector-edits", action=argparse.BooleanOptionalAction, default=None,
                     help="register through the installed connector's own kv_cache_group_edits (0.5.6 re-views a "
                          "hybrid's sub-paged attention); default: on with --phase store/restore, off otherwise")
@@ -1012,8 +525,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--verbose", action="store_true", help="let lmcache's client-side logging through to stderr")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--list-presets", action="store_true")
-    args = ap.parse_args(argv)
-    names = args.preset or ["all"]
+    return ap
+
+
+def _expand_presets(ap: argparse.ArgumentParser, names: list[str]) -> list[str]:
+    """``--preset a,b --preset all`` -> known preset names, in order, once each."""
     out: list[str] = []
     for n in names:
         for part in n.split(","):
@@ -1026,7 +542,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 except KeyError as exc:
                     ap.error(str(exc))
                 out.append(part)
-    args.preset = list(dict.fromkeys(out))
+    return list(dict.fromkeys(out))
+
+
+def _check_phase_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The options each --phase needs (a usage error, exit 2, before anything starts)."""
     if args.chunks < 1 or args.chunk_blocks < 1:
         ap.error("--chunks and --chunk-blocks must be >= 1")
     if args.copies < 1 or (args.copies > 1 and args.phase != "store"):
@@ -1042,43 +562,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error("--phase restore needs at least one --state-in")
         if "@" in args.model_prefix or "+" in args.model_prefix:
             ap.error("--model-prefix may not contain '@' or '+'")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    args.preset = _expand_presets(ap, args.preset or ["all"])
+    _check_phase_args(ap, args)
     return args
-
-
-@contextmanager
-def quiet_library_output(log_path: Path | None) -> Iterator[Any]:
-    """Send fd 1 and fd 2 (lmcache's client-side logging, warnings) to a file.
-
-    Yields ``(stdout, stderr)`` file objects on the ORIGINAL descriptors, for
-    the report and the progress lines.
-    """
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    err = os.fdopen(os.dup(2), "w", buffering=1)
-    if log_path is None:
-        try:
-            yield out, err
-        finally:
-            out.close()
-            err.close()
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    try:
-        yield out, err
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        os.close(saved[0])
-        os.close(saved[1])
-        out.close()
-        err.close()
 
 
 def malloc_perturb(byte: int) -> None:
@@ -1087,7 +578,7 @@ def malloc_perturb(byte: int) -> None:
     ``byte ^ 0xff``, freed memory with ``byte``, instead of whatever it held.
     ``M_MMAP_THRESHOLD`` goes to glibc's maximum so large buffers come from
     the heap too, not from fresh (zeroed) mappings."""
-    import ctypes  # noqa: PLC0415
+    import ctypes  # noqa: PLC0415 - only for --client-malloc-perturb
 
     if not 0 < byte < 256:
         raise SystemExit(f"restore_gate.py: --client-malloc-perturb {byte}: give a byte 1..255")
@@ -1095,6 +586,83 @@ def malloc_perturb(byte: int) -> None:
     m_mmap_threshold, m_perturb = -3, -6
     if not (libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024) and libc.mallopt(m_perturb, byte)):
         raise SystemExit("restore_gate.py: --client-malloc-perturb: mallopt refused (not glibc?)")
+
+
+def _run_gate(gate: Gate, d: Display, args: argparse.Namespace, report: dict[str, Any]) -> str | None:
+    """Run the gate; the error that stopped it (None: it ran to the end).  Every
+    client still open is closed, whatever happened."""
+    def header() -> None:
+        report["versions"] = versions()
+        v = report["versions"]
+        d.head(f"lmcache {v.get('lmcache')} from {v.get('lmcache_dir')}"
+               + (f" (overlay, {len(v['overlay'].get('patches', []))} patches)" if v.get("overlay") else "")
+               + f", torch {v.get('torch')}, python {v.get('python')}")
+
+    gate.on_imported = header
+    error: str | None = None
+    try:
+        d.head({"both": "LMCache CPU restore gate: ", "store": "xver writer phase (store, flush, kill): ",
+                "restore": "xver reader phase (fresh server over a persistent L2): "}[args.phase]
+               + (", ".join(args.preset) if args.phase != "restore" else f"{len(args.state_in)} writer(s)"))
+        gate.run()
+    except GateError as exc:
+        error = str(exc)
+    except (KeyboardInterrupt, SystemExit) as exc:
+        error = f"interrupted ({type(exc).__name__})"
+    except Exception as exc:  # noqa: BLE001
+        error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    finally:
+        for r in gate.runs:
+            if r.client1 is not None:
+                try:
+                    r.client1.close(graceful=False)
+                except Exception:  # noqa: BLE001
+                    pass
+    if "versions" not in report:
+        try:
+            report["versions"] = versions()
+        except Exception as exc:  # noqa: BLE001
+            report["versions"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return error
+
+
+def _overall(presets: list[dict[str, Any]], error: str | None, phase: str) -> tuple[str, int, str]:
+    """(verdict, exit code, reason) of the whole run from the presets' verdicts."""
+    verdicts = [p["verdict"] for p in presets]
+    if error or "error" in verdicts or not presets:
+        reason = error or next((f"{p['preset']}: {p['reasons'][0]}" for p in presets
+                                if p["verdict"] == "error"), "no preset ran")
+        return "error", EXIT_ERROR, reason
+    if "fail" in verdicts:
+        return "fail", EXIT_FAIL, "; ".join(f"{p['preset']}: {p['reasons'][0]}" for p in presets
+                                            if p["verdict"] == "fail")
+    reason = {"both": f"all {len(presets)} presets restored byte-exact from L2 after a hard kill",
+              "store": f"all {len(presets)} presets stored and on disk; server killed",
+              "restore": f"no wrong hit in {len(presets)} restores ("
+                         + ", ".join(f"{o} {sum(p.get('outcome') == o for p in presets)}"
+                                     for o in ("exact", "miss")) + ")"}[phase]
+    return "pass", EXIT_PASS, reason
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"chunks": args.chunks, "chunk_blocks": args.chunk_blocks, "chunk_size": args.chunk_size,
+            "seed": args.seed, "stay_alive": args.stay_alive,
+            "restart_pythonpath": args.restart_pythonpath, "phase": args.phase,
+            "connector_edits": args.connector_edits,
+            "l2_dir": args.l2_dir, "state_in": args.state_in, "state_out": args.state_out,
+            "window_rule": args.window_rule,
+            "restart_window_rule": args.restart_window_rule or args.window_rule,
+            "heartbeat_interval": args.heartbeat_interval}
+
+
+def _print_verdicts(d: Display, presets: list[dict[str, Any]], verdict: str, reason: str, total: float) -> None:
+    d.line()
+    for p in presets:
+        d.verdict((f"{p['writer']} -> " if p.get("writer") else "")
+                  + f"{p['preset']:16} {p['verdict'].upper():5} {p['reasons'][0]}",
+                  {"pass": True, "fail": False}.get(p["verdict"]))
+    d.verdict(f"restore gate: {verdict.upper()} ({reason.splitlines()[0] if reason else ''}) "
+              f"in {total:.1f} s", {"pass": True, "fail": False}.get(verdict))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1113,54 +681,9 @@ def main(argv: list[str] | None = None) -> int:
     with quiet_library_output(client_log) as (out, err):
         d = Display(err, args.quiet)
         gate = Gate(args, d)
-        error: str | None = None
-        def header() -> None:
-            report["versions"] = versions()
-            v = report["versions"]
-            d.head(f"lmcache {v.get('lmcache')} from {v.get('lmcache_dir')}"
-                   + (f" (overlay, {len(v['overlay'].get('patches', []))} patches)" if v.get("overlay") else "")
-                   + f", torch {v.get('torch')}, python {v.get('python')}")
-
-        gate.on_imported = header
-        try:
-            d.head({"both": "LMCache CPU restore gate: ", "store": "xver writer phase (store, flush, kill): ",
-                    "restore": "xver reader phase (fresh server over a persistent L2): "}[args.phase]
-                   + (", ".join(args.preset) if args.phase != "restore" else f"{len(args.state_in)} writer(s)"))
-            gate.run()
-        except GateError as exc:
-            error = str(exc)
-        except (KeyboardInterrupt, SystemExit) as exc:
-            error = f"interrupted ({type(exc).__name__})"
-        except Exception as exc:  # noqa: BLE001
-            error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        finally:
-            for r in gate.runs:
-                if r.client1 is not None:
-                    try:
-                        r.client1.close(graceful=False)
-                    except Exception:  # noqa: BLE001
-                        pass
-        if "versions" not in report:
-            try:
-                report["versions"] = versions()
-            except Exception as exc:  # noqa: BLE001
-                report["versions"] = {"error": f"{type(exc).__name__}: {exc}"}
+        error = _run_gate(gate, d, args, report)
         presets = [gate.preset_report(r) for r in gate.runs]
-        verdicts = [p["verdict"] for p in presets]
-        if error or "error" in verdicts or not presets:
-            verdict, code = "error", EXIT_ERROR
-            reason = error or next((f"{p['preset']}: {p['reasons'][0]}" for p in presets
-                                    if p["verdict"] == "error"), "no preset ran")
-        elif "fail" in verdicts:
-            verdict, code = "fail", EXIT_FAIL
-            reason = "; ".join(f"{p['preset']}: {p['reasons'][0]}" for p in presets if p["verdict"] == "fail")
-        else:
-            verdict, code = "pass", EXIT_PASS
-            reason = {"both": f"all {len(presets)} presets restored byte-exact from L2 after a hard kill",
-                      "store": f"all {len(presets)} presets stored and on disk; server killed",
-                      "restore": f"no wrong hit in {len(presets)} restores ("
-                                 + ", ".join(f"{o} {sum(p.get('outcome') == o for p in presets)}"
-                                             for o in ("exact", "miss")) + ")"}[args.phase]
+        verdict, code, reason = _overall(presets, error, args.phase)
         if client_log is not None and verdict == "error":
             try:
                 report["client_log_tail"] = procs.ansi_strip(client_log.read_text("utf-8", "replace")).splitlines()[-60:]
@@ -1171,24 +694,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.transfer_mode != "lmcache_driven":
             report["transfer_mode"] = args.transfer_mode
         report.update(verdict=verdict, exit_code=code, reason=reason, server=gate.server_info, timings=timings,
-                      cycles=gate.cycles, presets=presets,
-                      options={"chunks": args.chunks, "chunk_blocks": args.chunk_blocks, "chunk_size": args.chunk_size,
-                               "seed": args.seed, "stay_alive": args.stay_alive,
-                               "restart_pythonpath": args.restart_pythonpath, "phase": args.phase,
-                               "connector_edits": args.connector_edits,
-                               "l2_dir": args.l2_dir, "state_in": args.state_in, "state_out": args.state_out,
-                               "window_rule": args.window_rule,
-                               "restart_window_rule": args.restart_window_rule or args.window_rule,
-                               "heartbeat_interval": args.heartbeat_interval},
-                      cleanup_errors=getattr(gate, "cleanup_errors", []),
+                      cycles=gate.cycles, presets=presets, options=_options(args),
+                      cleanup_errors=gate.cleanup_errors,
                       client_log=str(client_log) if client_log and args.keep_tmp else None)
-        d.line()
-        for p in presets:
-            d.verdict((f"{p['writer']} -> " if p.get("writer") else "")
-                      + f"{p['preset']:16} {p['verdict'].upper():5} {p['reasons'][0]}",
-                      {"pass": True, "fail": False}.get(p["verdict"]))
-        d.verdict(f"restore gate: {verdict.upper()} ({reason.splitlines()[0] if reason else ''}) "
-                  f"in {timings['total']:.1f} s", {"pass": True, "fail": False}.get(verdict))
+        _print_verdicts(d, presets, verdict, reason, timings["total"])
         if error and not args.quiet:
             d.line(error)
         text = json.dumps(report, indent=2, default=str)

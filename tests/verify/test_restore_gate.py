@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 GATE = REPO / "verify" / "restore_gate.py"
 sys.path.insert(0, str(REPO / "verify"))
 
-import restore_gate  # noqa: E402  (stdlib + geometry + procs at import time: no torch)
+from lmcache_patchtool_verify import gate_plan, gate_server  # noqa: E402  (stdlib only: no torch)
 
 SUBPAGED = ["qwen35-0.8b", "gdn-27b", "pure-attn-bs128"]
 # One server pair takes ~25-45 s on an idle 2-CPU box (two server boots of ~8 s
@@ -62,7 +62,7 @@ def assert_cleaned_up(report: dict) -> None:
         for server in cycle["servers"]:
             pid = server["pid"]
             assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
-            assert not restore_gate.l1_shm_path(pid).exists()
+            assert not gate_server.l1_shm_path(pid).exists()
 
 
 def assert_silent_corruption(p: dict, chunks: int = 3) -> None:
@@ -105,20 +105,20 @@ def test_prefetch_split_parses_the_servers_l1_l2_account() -> None:
            "prefetch_request_id=7) \x1b[3m(storage_manager.py:718:x)\x1b[0m\n")
     from lmcache_patchtool_verify import procs  # noqa: PLC0415
 
-    assert restore_gate.prefetch_split(procs.ansi_strip(log), "gate-restore-abc") == \
+    assert gate_server.prefetch_split(procs.ansi_strip(log), "gate-restore-abc") == \
         {"keys_hit": 4, "keys_requested": 4, "l1": 1, "l2": 3}
-    assert restore_gate.prefetch_split(procs.ansi_strip(log), "other") is None
+    assert gate_server.prefetch_split(procs.ansi_strip(log), "other") is None
 
 
 def test_cycles_group_presets_by_chunk_size() -> None:
-    cycles = restore_gate.plan_cycles(["qwen35-0.8b", "gdn-27b", "control-k1", "pure-attn-bs128"], 2, None)
+    cycles = gate_plan.plan_cycles(["qwen35-0.8b", "gdn-27b", "control-k1", "pure-attn-bs128"], 2, None)
     assert cycles == [(1088, ["qwen35-0.8b", "control-k1"]), (3200, ["gdn-27b"]), (256, ["pure-attn-bs128"])]
     with pytest.raises(SystemExit):
-        restore_gate.plan_cycles(["gdn-27b"], 2, 1000)
+        gate_plan.plan_cycles(["gdn-27b"], 2, 1000)
 
 
 def test_server_command_line_binds_loopback_only(tmp_path: Path) -> None:
-    spec = restore_gate.ServerSpec(5555, 8080, 1088, 1.0, tmp_path / "l2", tmp_path)
+    spec = gate_server.ServerSpec(5555, 8080, 1088, 1.0, tmp_path / "l2", tmp_path)
     argv = spec.argv()
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     assert argv[argv.index("--http-host") + 1] == "127.0.0.1"
