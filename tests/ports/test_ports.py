@@ -84,6 +84,14 @@ def test_series_applies_with_zero_fuzz(version):
         expected.append("07-lookup-reserves-last-token.patch")
     # revision 3: the resync takes vLLM 0.30+'s kv_connector_block_state
     expected.append("08-block-state-from-vllm.patch")
+    # revision 4: vLLM 0.30+'s padded views (09; 10 where 0.5.3/0.5.4 crash at start),
+    # the local prefix-cache hit (11; 0.5.6 records it upstream), object checksums (12)
+    expected.append("09-padded-block-stride.patch")
+    if version in ("0.5.3", "0.5.4"):
+        expected.append("10-vllm030-registration.patch")
+    if version != "0.5.6":
+        expected.append("11-local-hit-count.patch")
+    expected.append("12-l2-checksum.patch")
     assert [p.name for p in series] == expected
     overlay = provision.overlay(version, series)  # GNU patch -p1 -F0; raises on fuzz/reject
     text = "".join((overlay / p).read_text() for p in (
