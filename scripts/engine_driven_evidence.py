@@ -12,14 +12,17 @@ build the identity of its fs L2 objects with an lmcache-driven store's.
 Builds: ``pristine``; ``hybrid-fa`` (the shipped series, which does not touch
 the engine-driven path); ``stacked`` (hybrid-fa + engine-driven), where that
 set is shipped for the version.  Presets: the gate's vLLM 0.27-view presets
-plus the pure-attention k = 1 control.
+plus the pure-attention k = 1 control, and vLLM 0.30+'s padded-view presets
+(``*-v030``; engine-driven only: lmcache-driven on a CPU worker refuses that
+view, so they have no identity comparison; ``scripts/vllm_cells.py`` takes
+their stacked outcome as the CPU restore gate of those geometries).
 
 Schema (``"schema": 1``)::
 
     {"schema": 1, "generated": "<UTC date>", "host": {...}, "seconds": int,
      "cells": [{"lmcache": "0.5.6", "build": "pristine"|"hybrid-fa"|"stacked",
                 "patches_sha256": "<vllm_cells.patches_sha256 of the patches>" | null,
-                "presets": {"<preset>": {"k": int, "hybrid": bool,
+                "presets": {"<preset>": {"k": int, "hybrid": bool, "gdn_view": "0.27"|"0.30",
                     "outcome": "pass"|"refused"|"wrong"|"miss"|"error",
                     "reason": "<first reason>",
                     "identical": bool | null}}}]}
@@ -50,11 +53,17 @@ from vllm_cells import patches_sha256  # noqa: E402
 
 from restore_gate import l2_objects  # noqa: E402
 from lmcache_patchtool_verify.tier_objects import has_trailer, kv_bytes  # noqa: E402
+from lmcache_patchtool_verify import geometry  # noqa: E402
 from lmcache_patchtool_verify.xver_outcome import preset as gate_preset  # noqa: E402
 
 OUT = REPO / "verify" / "evidence" / "engine-driven-gate.json"
 SCHEMA = 1
-PRESETS = gate_presets() + ["pure-attn-k1"]
+# vLLM 0.30+'s padded GDN view: engine-driven is the only mode that can move it
+# on a CPU worker (lmcache-driven's shared-memory path refuses it, hybrid-fa
+# part 09), so these run engine-driven only and have no identity comparison.
+V030_PRESETS = [n for n, g in geometry.PRESETS.items() if g.gdn_view == "0.30"]
+LD_PRESETS = gate_presets() + ["pure-attn-k1"]
+PRESETS = LD_PRESETS + V030_PRESETS
 BUILDS = ("pristine", "hybrid-fa", "stacked")
 
 
@@ -73,14 +82,14 @@ def _log(msg: str) -> None:
     print(f"[engine-driven-evidence {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run_gate(version: str, overlay: Path, mode: str, keep: bool) -> dict:
+def run_gate(version: str, overlay: Path, mode: str, keep: bool, presets: list[str]) -> dict:
     # The client (engine-driven worker) starts new memory as 0xA5, not zeros:
     # an object byte no transfer writes cannot match the other mode by chance.
     # So do its shared-memory staging regions (revision 3), through the env.
     os.environ.setdefault("LMCACHE_PATCHTOOL_STAGING_FILL", "0xA5")
     extra = ["--step-timeout", "30", "--transfer-mode", mode, "--client-malloc-perturb", "0x5A"] + \
         (["--keep-tmp"] if keep else [])
-    return gate_report(version, overlay, PRESETS, *extra, who="engine_driven_evidence")
+    return gate_report(version, overlay, presets, *extra, who="engine_driven_evidence")
 
 
 def outcome(p: dict) -> str:
@@ -121,21 +130,22 @@ def cell(version: str, build: str) -> dict | None:
     overlay = provision.overlay(version, patches or None)
     stacked = build == "stacked"
     _log(f"{version} {build}: engine-driven gate ({len(PRESETS)} presets)")
-    ed = run_gate(version, overlay, "engine_driven", keep=stacked)
+    ed = run_gate(version, overlay, "engine_driven", keep=stacked, presets=PRESETS)
     ld = None
     try:
         if stacked:
             _log(f"{version} {build}: lmcache-driven gate (object identity)")
-            ld = run_gate(version, overlay, "lmcache_driven", keep=True)
+            ld = run_gate(version, overlay, "lmcache_driven", keep=True, presets=LD_PRESETS)
         presets = {}
         for p in ed["presets"]:
             name = p["preset"]
             g = gate_preset(name)
             identical = None
-            if stacked and p["verdict"] == "pass":
+            if stacked and p["verdict"] == "pass" and name in LD_PRESETS:
                 mine, theirs = l2_digests(ed, name), l2_digests(ld, name)
                 identical = bool(mine) and mine == theirs
-            presets[name] = {"k": g.k, "hybrid": g.num_gdn_layers > 0, "outcome": outcome(p),
+            presets[name] = {"k": g.k, "hybrid": g.num_gdn_layers > 0, "gdn_view": g.gdn_view,
+                             "outcome": outcome(p),
                              "reason": (p.get("reasons") or [""])[0][:300], "identical": identical}
     finally:
         _cleanup(ed)

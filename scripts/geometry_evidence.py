@@ -15,8 +15,9 @@ What runs, per (version, build):
   skipping one block at retrieve);
 * the CPU restore gate (``verify/restore_gate.py``: real ``lmcache server``,
   fs L2, SIGKILL, restart) on every preset whose registration the gate can
-  drive (the vLLM 0.27-style GDN view; the 0.30+ view fails registration on
-  CPU on every version, docs/ports.md).
+  drive in lmcache-driven mode (the vLLM 0.27-style GDN view; the 0.30+
+  padded view is refused by that mode on a CPU worker, hybrid-fa part 09, so
+  its gate runs engine-driven in ``scripts/engine_driven_evidence.py``).
 
 Schema (``"schema": 1``)::
 

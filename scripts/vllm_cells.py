@@ -21,6 +21,13 @@ The CPU checks, all from committed evidence files (never typed by hand):
    gate where it ran), and pristine fails at least one of them (the bug
    applies); the evidence is for the series shipped now (its
    ``series_sha256``).
+3. For vLLM 0.30+'s padded GDN view (the ``*-v030`` presets), the restore
+   gate that can run on CPU: ``verify/evidence/engine-driven-gate.json``
+   (``scripts/engine_driven_evidence.py``), the stacked build (hybrid-fa +
+   engine-driven, the shipped patches) passes the preset.  lmcache-driven on
+   a CPU worker refuses that view by design (hybrid-fa part 09: the POSIX
+   shared-memory copy would be stale), so the geometry file's gate does not
+   run it; on a GPU the lmcache-driven path moves the same bytes.
 
 A manifest's ``vllm_versions`` must equal the cells that say CPU or GPU
 (``scripts/support_table.py --check`` enforces it; ``--write-manifests``
@@ -40,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 EVIDENCE = REPO / "verify" / "evidence"
 GEOMETRY = EVIDENCE / "geometry-matrix.json"
 SCHED = EVIDENCE / "sched-vllm-matrix.json"
+ENGINE_DRIVEN = EVIDENCE / "engine-driven-gate.json"
 GPU_RESULTS = REPO / "verify" / "results"
 
 # The geometries each vLLM registers with a KV connector, as presets of
@@ -101,7 +109,33 @@ def _load(path: Path) -> dict | None:
 # ------------------------------------------------------------------ checks
 
 
-def _geometry_check(doc: dict | None, lm: str, vllm: str, patches_root: Path) -> str | None:
+def stacked_patches(version: str, patches_root: Path = REPO / "patches") -> list[Path] | None:
+    """hybrid-fa + engine-driven for ``version``; None where engine-driven is not shipped."""
+    top = patches_root / "engine-driven" / version
+    if not (top / "manifest.json").exists():
+        return None
+    return sorted((patches_root / "hybrid-fa" / version).glob("*.patch")) + sorted(top.glob("*.patch"))
+
+
+def _v030_gate_check(doc: dict | None, lm: str, name: str, patches_root: Path) -> str | None:
+    """The engine-driven CPU restore gate of the stacked build on a ``*-v030``
+    preset (check 3): None when it passed on the shipped patches."""
+    patches = stacked_patches(lm, patches_root)
+    if patches is None:
+        return f"{name}: no engine-driven set shipped to run the CPU restore gate with"
+    cell = next((c for c in (doc or {}).get("cells", [])
+                 if (c["lmcache"], c["build"]) == (lm, "stacked")), None)
+    if cell is None or cell.get("patches_sha256") != patches_sha256(patches):
+        return (f"{name}: no engine-driven CPU restore gate of the shipped stacked build "
+                "(re-run scripts/engine_driven_evidence.py)")
+    outcome = cell["presets"].get(name, {}).get("outcome", "not run")
+    if outcome != "pass":
+        return f"{name}: the engine-driven CPU restore gate of the stacked build: {outcome}"
+    return None
+
+
+def _geometry_check(doc: dict | None, lm: str, vllm: str, patches_root: Path,
+                    engine_driven: dict | None = None) -> str | None:
     """None when the check passes, else why not (one line)."""
     if doc is None:
         return f"no geometry evidence ({GEOMETRY.relative_to(REPO)})"
@@ -135,6 +169,8 @@ def _geometry_check(doc: dict | None, lm: str, vllm: str, patches_root: Path) ->
             return f"CPU restore gate fails {name} patched"
         if p["gate"]["verdict"] == "not-run" and p["gdn_view"] != "0.30":
             return f"CPU restore gate did not run {name}"
+        if p["gdn_view"] == "0.30" and (why := _v030_gate_check(engine_driven, lm, name, patches_root)):
+            return why
     if all(pristine["presets"][n]["harness"]["pass"]
            and pristine["presets"][n]["gate"]["verdict"] in ("pass", "not-run") for n in presets):
         return "pristine passes every preset: the evidence cannot tell the fix from no fix"
@@ -193,14 +229,15 @@ def vllm_versions(rows: dict[tuple[str, str, str], dict]) -> list[str]:
 
 def cells(lmcache_versions: list[str], patches_root: Path = REPO / "patches",
           geometry_path: Path = GEOMETRY, sched_path: Path = SCHED,
-          results: Path = GPU_RESULTS) -> tuple[list[str], list[Cell]]:
-    geometry, sched = _load(geometry_path), _load(sched_path)
+          results: Path = GPU_RESULTS, engine_driven_path: Path = ENGINE_DRIVEN) -> tuple[list[str], list[Cell]]:
+    geometry, sched, engine_driven = _load(geometry_path), _load(sched_path), _load(engine_driven_path)
     rows = _sched_rows(sched)
     columns = vllm_versions(rows)
     out = []
     for lm in lmcache_versions:
         for v in columns:
-            why = _sched_check(rows, lm, v, patches_root) or _geometry_check(geometry, lm, v, patches_root)
+            why = _sched_check(rows, lm, v, patches_root) or \
+                _geometry_check(geometry, lm, v, patches_root, engine_driven)
             if why is not None:
                 out.append(Cell(lm, v, "-", why))
             elif _gpu_verified(lm, v, results):

@@ -53,23 +53,37 @@ def _sched(patches_root: Path) -> dict:
     return {"schema": 1, "cells": rows}
 
 
+def _engine_driven(patches_root: Path) -> dict:
+    """The stacked build's engine-driven CPU restore gate passes every *-v030 preset."""
+    v030 = {p for _, ps in vllm_cells._PRESETS_BY_VLLM for p in ps if p.endswith("v030")}
+    return {"schema": 1, "cells": [
+        {"lmcache": LM, "build": "stacked",
+         "patches_sha256": vllm_cells.patches_sha256(vllm_cells.stacked_patches(LM, patches_root)),
+         "presets": {n: {"k": 9, "hybrid": True, "gdn_view": "0.30", "outcome": "pass",
+                         "reason": "", "identical": None} for n in v030}}]}
+
+
 @pytest.fixture
 def ev(tmp_path):
     root = tmp_path / "patches"
     (root / "hybrid-fa" / LM).mkdir(parents=True)
     (root / "hybrid-fa" / LM / "01-a.patch").write_text("--- a\n+++ b\n")
+    (root / "engine-driven" / LM).mkdir(parents=True)
+    (root / "engine-driven" / LM / "01-e.patch").write_text("--- e\n+++ e\n")
+    (root / "engine-driven" / LM / "manifest.json").write_text("{}")
     results = tmp_path / "results"
     results.mkdir()
-    docs = {"geometry": _geometry(root), "sched": _sched(root)}
+    docs = {"geometry": _geometry(root), "sched": _sched(root), "engine_driven": _engine_driven(root)}
 
     def run(mutate=None) -> dict[str, vllm_cells.Cell]:
         d = copy.deepcopy(docs)
         if mutate:
             mutate(d)
-        g, s = tmp_path / "g.json", tmp_path / "s.json"
+        g, s, e = tmp_path / "g.json", tmp_path / "s.json", tmp_path / "e.json"
         g.write_text(json.dumps(d["geometry"]))
         s.write_text(json.dumps(d["sched"]))
-        cols, cells = vllm_cells.cells([LM], root, g, s, results)
+        e.write_text(json.dumps(d["engine_driven"]))
+        cols, cells = vllm_cells.cells([LM], root, g, s, results, e)
         assert cols == [OLD, NEW]
         return {c.vllm: c for c in cells}
 
@@ -138,6 +152,26 @@ def test_geometry_checks(ev):
             p["harness"] = _preset(True)["harness"]
             p["gate"]["verdict"] = "pass"
     assert "cannot tell the fix from no fix" in ev(pristine_passes)[OLD].why
+
+
+def test_v030_geometry_needs_the_engine_driven_gate(ev):
+    """vLLM 0.30+'s padded view: lmcache-driven on CPU refuses it, so the
+    stacked build's engine-driven CPU restore gate must pass it, on the
+    shipped patches."""
+    def ed_fails(d):
+        d["engine_driven"]["cells"][0]["presets"]["control-k1-v030"]["outcome"] = "wrong"
+    cells = ev(ed_fails)
+    assert cells[OLD].status == "CPU"
+    assert cells[NEW].status == "-" and cells[NEW].why == \
+        "control-k1-v030: the engine-driven CPU restore gate of the stacked build: wrong"
+
+    def ed_missing(d):
+        del d["engine_driven"]["cells"][0]["presets"]["qwen35-bs576-v030"]
+    assert ev(ed_missing)[NEW].why.endswith("the stacked build: not run")
+
+    def ed_stale(d):
+        d["engine_driven"]["cells"][0]["patches_sha256"] = "0" * 64
+    assert "no engine-driven CPU restore gate of the shipped stacked build" in ev(ed_stale)[NEW].why
 
 
 def test_stale_series_denies(ev):
