@@ -56,7 +56,7 @@ def check_dest(src: Path, dest: Path) -> bool:
     create = not os.path.lexists(dest)
     probe = dest.parent if create else dest
     try:
-        st_dest = os.stat(probe)
+        os.stat(probe)
     except FileNotFoundError:
         raise Refusal(probe, "no such directory (DEST's parent must exist)") from None
     except OSError as exc:

@@ -132,6 +132,37 @@ def test_no_import_circles():
     assert circles(graph()) == []
 
 
+VERIFY_PKG = Path(__file__).resolve().parents[2] / "verify" / "lmcache_patchtool_verify"
+
+
+def verify_graph() -> dict[str, set[str]]:
+    """The same graph for the verification helper package (relative and
+    absolute ``lmcache_patchtool_verify`` imports)."""
+    mods = {p.stem: p for p in sorted(VERIFY_PKG.glob("*.py"))}
+
+    def targets(node: ast.stmt) -> list[str]:
+        out: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                out = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+            elif node.module and node.module.startswith("lmcache_patchtool_verify."):
+                out = [node.module.split(".")[1]]
+            elif node.module == "lmcache_patchtool_verify":
+                out = [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            out = [a.name.split(".")[1] for a in node.names
+                   if a.name.startswith("lmcache_patchtool_verify.")]
+        return [t for t in out if t in mods]
+
+    return {m: {t for node, _ in imports(p) for t in targets(node) if t != m} for m, p in mods.items()}
+
+
+def test_no_import_circles_in_the_verify_package():
+    edges = verify_graph()
+    assert len(edges) > 30 and edges["ports_edits"] >= {"geometry", "vllm_stub"}  # it reads the package
+    assert circles(edges) == []
+
+
 def test_function_local_imports_say_why():
     missing = []
     for name, path in modules().items():

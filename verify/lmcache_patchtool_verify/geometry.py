@@ -278,9 +278,9 @@ def connector_mamba_edit(geo: Geometry, view, layout: str = "HND"):
     from types import SimpleNamespace  # noqa: PLC0415
 
     try:
-        from . import ports_edits  # noqa: PLC0415
+        from .vllm_stub import ensure_vllm_interface  # noqa: PLC0415 - only inside the target environment
 
-        ports_edits._ensure_vllm_interface()
+        ensure_vllm_interface()
         import vllm.v1.kv_cache_interface as kci  # noqa: PLC0415
         from lmcache.integration.vllm import kv_cache_group_edits as edits  # noqa: PLC0415
     except ImportError:

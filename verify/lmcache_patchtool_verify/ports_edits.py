@@ -27,49 +27,13 @@ physically ``(nb*k, P, H, 2D)`` registered as the permuted view
 
 from __future__ import annotations
 
-import enum
-import sys
-import types
 from types import SimpleNamespace
 
 from . import geometry
+from .vllm_stub import ensure_vllm_interface as _ensure_vllm_interface
 
 # The unpatched builder (the ports runner rebinds geometry.build_kv_caches).
 _BUILD = geometry.build_kv_caches
-
-
-class _Kind(enum.Enum):
-    FULL_ATTENTION = "full_attention"
-    SLIDING_WINDOW = "sliding_window"
-    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
-    SINK_FULL_ATTENTION = "sink_full_attention"
-    MLA_ATTENTION = "mla_attention"
-    MAMBA = "mamba"
-    CROSS_ATTENTION = "cross_attention"
-
-
-def _ensure_vllm_interface() -> str:
-    """Import vllm.v1.kv_cache_interface, or install a minimal stub; returns which."""
-    try:
-        import vllm.v1.kv_cache_interface as kci  # noqa: PLC0415
-
-        return "stub" if getattr(kci, "KVCacheSpecKind", None) is _Kind else "vllm"
-    except Exception:  # noqa: BLE001 - any import failure: stub it
-        pass
-    for name in ("vllm", "vllm.v1"):
-        if name not in sys.modules:
-            mod = types.ModuleType(name)
-            mod.__path__ = []  # a package
-            sys.modules[name] = mod
-    kci = types.ModuleType("vllm.v1.kv_cache_interface")
-    kci.KVCacheSpecKind = _Kind
-    kci.KVCacheConfig = type("KVCacheConfig", (), {})
-    kci.KVCacheSpec = type("KVCacheSpec", (), {})
-    kci.get_kv_cache_spec_kind = lambda spec: spec.kind
-    sys.modules["vllm.v1.kv_cache_interface"] = kci
-    sys.modules["vllm.v1"].kv_cache_interface = kci
-    sys.modules["vllm"].v1 = sys.modules["vllm.v1"]
-    return "stub"
 
 
 def _spec(kind, geo):
