@@ -32,7 +32,6 @@ engine starts); ``--jobs 2`` runs two at once.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -49,6 +48,7 @@ sys.path.insert(0, str(HERE))
 import provision  # noqa: E402
 import provision_engine  # noqa: E402
 from geometry_evidence import write_evidence  # noqa: E402
+from vllm_cells import bytes_sha256 as series_sha  # noqa: E402  (the fingerprint the support table checks)
 
 OUT = REPO / "verify" / "evidence" / "engine-gate.json"
 SCHEMA = 1
@@ -184,15 +184,6 @@ def _log(msg: str) -> None:
 
 def series(version: str, sets: tuple[str, ...]) -> list[Path]:
     return [p for s in sets for p in sorted((REPO / "patches" / s / version).glob("*.patch"))]
-
-
-def series_sha(paths: list[Path]) -> str | None:
-    if not paths:
-        return None
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 def cell_spec(name: str, version: str | None = None, build: str | None = None) -> dict:

@@ -277,7 +277,12 @@ class EngineMark:
 def engine_series_sha256(version: str, build: str, patches_root: Path = REPO / "patches") -> str | None:
     """The fingerprint scripts/engine_gate_evidence.py records: the bytes of the build's patches,
     set by set in stacking order, each set's files in name order."""
-    paths = [p for s in ENGINE_SETS[build] for p in sorted((patches_root / s / version).glob("*.patch"))]
+    return bytes_sha256([p for s in ENGINE_SETS[build] for p in sorted((patches_root / s / version).glob("*.patch"))])
+
+
+def bytes_sha256(paths: list[Path]) -> str | None:
+    """The engine gate's fingerprint of a build's patches: their bytes in the
+    order given (stacking order); None for no patches (pristine)."""
     if not paths:
         return None
     h = hashlib.sha256()
