@@ -1,8 +1,8 @@
 """Process exit codes, and the install states that map to them.
 
-Every code is documented in README.md ("Exit codes"); scripts and CI gate on
+Every code is documented in docs/reference.md ("Exit codes"); scripts and CI gate on
 them, so values never change meaning once released.  :class:`State` is the
-overall state of an install (README, "States") with the code ``verify``
+overall state of an install (docs/reference.md, "States") with the code ``verify``
 returns for it; the ``F_*`` words are the states of one target file.  They
 live here, below everything that judges or changes an install, so that
 every module speaks of states without importing the classifier.

@@ -167,7 +167,7 @@ def rmtree(path: Path) -> None:
 
 def prune_empty_dirs(root: Path) -> None:
     """Remove empty directories under ``root``, bottom-up, ``root`` included:
-    an empty state dir carries no information, and the README promises that
+    an empty state dir carries no information, and docs/reference.md promises that
     ``tx/`` exists only while a transaction is open."""
     if not root.is_dir() or root.is_symlink():
         return

@@ -3,7 +3,7 @@ quarantine and the final re-scan, and the exit status.  Every refusal comes
 before the first write; rendering is ``patchtool.l2render``; the undo,
 ``l2 restore``, is ``patchtool.l2restore`` alone.
 
-Exit status of ``l2 scan`` (README, "Disk tier"): from what DIR holds when
+Exit status of ``l2 scan`` (docs/disk-tier.md, "Exit codes"): from what DIR holds when
 the command ends, never from what a plan expected to move:
 
 * ``L2_FLAGGED`` (20) while a flagged object is in DIR;

@@ -5,7 +5,7 @@ is resumed only for the same target however its path was typed.
 The reader comes from a classified install (``patchtool status``'s
 :class:`~patchtool.classify.Status`) or from ``--assume``.  Only states whose
 keys are known are answered; the state names compared here are the public
-ones (README, "States")."""
+ones (docs/reference.md, "States")."""
 
 from __future__ import annotations
 

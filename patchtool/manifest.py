@@ -5,7 +5,7 @@ A patch set for one LMCache version is a directory
 ``<root>/<set>/<lmcache-version>/`` holding ``NN-name.patch`` files and a
 ``manifest.json`` produced by ``patchtool manifest build``
 (:mod:`patchtool.manifest_build`, never by hand).  Field reference:
-README.md ("Manifest").
+docs/reference.md ("Manifests").
 """
 
 from __future__ import annotations

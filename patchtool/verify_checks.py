@@ -131,7 +131,7 @@ class VerifyResult:
 
 def run_verify(ctx: CheckContext, extra: list[str]) -> VerifyResult:
     """Exit 0 only for the current revision with every hash matching; the
-    other states map to their own exit codes (README, "Exit codes")."""
+    other states map to their own exit codes (docs/reference.md, "Exit codes")."""
     st = ctx.status
     if st.state != State.PATCHED:
         return VerifyResult(False, st.state, st.state.exit_code, st)

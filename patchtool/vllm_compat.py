@@ -1,4 +1,4 @@
-"""What the installed vLLM means for this install (issue 13, item 6): the
+"""What the installed vLLM means for this install: the
 notes ``status`` (and ``verify``, which shows the same status) adds.
 
 A pure function of the vLLM version found next to lmcache (read from its

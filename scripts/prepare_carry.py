@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build the folder a lent GPU machine needs for the CUDA round trip (issue 16).
+"""Build the folder a lent GPU machine needs for the CUDA round trip.
 
 The device (see docs/engine-gate.md, "The lent-device CUDA round trip") has
 Python 3.12, torch 2.11.0+cu130 and the packages of ``image_packages.txt``, no

@@ -26,7 +26,7 @@ on 2 loaded cores).
 Its pip call takes ``$LMCACHE_PATCHTOOL_PIP_ARGS`` and it prints progress
 lines like scripts/provision.py (see there).
 
-The vLLM version is a parameter (issue 13).  Per version, from the wheel's
+The vLLM version is a parameter.  Per version, from the wheel's
 own METADATA ``Requires-Dist`` (read through ``pip install --dry-run --report``,
 which fetches the metadata only, and checked again against the installed
 ``dist-info/METADATA``):

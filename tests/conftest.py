@@ -1,7 +1,7 @@
 """Shared fixtures: real lmcache wheels and environments, provisioned by
 ``scripts/provision.py`` and cached across runs (never installed by hand).
 
-Also the test tiers (README, "Tests and benchmarks"): every test gets one
+Also the test tiers (CONTRIBUTING.md, "Test tiers and markers"): every test gets one
 tier marker, from its directory and the fixtures it uses:
 
 * ``unit``        tests/unit: a synthetic wheel made by the tests; offline, seconds;

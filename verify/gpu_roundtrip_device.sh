@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA round trip on a lent GPU machine (issue 16; docs/gpu-gate.md, "The lent-device CUDA round trip").
+# The CUDA round trip on a lent GPU machine (docs/engine-gate.md, "The lent-device CUDA round trip").
 #
 # Here (network):   python3 scripts/prepare_carry.py            # -> .device-carry/ (gitignored), <= 64 MiB
 # Device tool:      run(command="bash verify/gpu_roundtrip_device.sh", carry=[".device-carry"], timeout_s=540)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Null-state restore gate (issue 11): a hybrid request prefilled in multi-block
+"""Null-state restore gate: a hybrid request prefilled in multi-block
 steps, stored, the server SIGKILLed and restarted on the same fs L2 tier, then a
 second request that shares a prefix ending INSIDE a prefill step.
 

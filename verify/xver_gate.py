@@ -72,7 +72,7 @@ def B(text: str) -> Build:  # noqa: N802 - short constructor for the tables belo
     return Build.parse(text)
 
 
-# The upgrade/downgrade edges issue 12 names (the CI subset): same-version
+# The upgrade/downgrade edges operators meet (the CI subset): same-version
 # pristine <-> patched, patched neighbours across the 0.5.5/0.5.6 and
 # 0.5.3/0.5.4 boundaries.
 CI_EDGES: tuple[tuple[Build, Build], ...] = (

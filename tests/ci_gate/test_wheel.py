@@ -213,7 +213,7 @@ def test_wheel_refusals(tmp_path, wheel053, patches_root):
 
 
 def test_hash_pinned_requirements_install_over_upstream(tmp_path, built, wheel053, patches_root):
-    """The README's deployment recipe: upstream lmcache first (it brings the
+    """The deployment recipe of docs/ci-and-wheels.md: upstream lmcache first (it brings the
     dependencies), then the patched wheel by its pinned hash replaces it."""
     py = make_venv(tmp_path / "venv")
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel053)],

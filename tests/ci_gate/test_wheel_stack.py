@@ -1,4 +1,4 @@
-"""``patchtool wheel lmcache==0.5.3 --set engine-driven`` (issue 15): the
+"""``patchtool wheel lmcache==0.5.3 --set engine-driven``: the
 shipped stack (hybrid-fa, then engine-driven) built into one wheel whose local
 version names both sets and revisions; pip and uv install it, and status and
 verify report both sets patched.  Shipped patch sets (no override)."""

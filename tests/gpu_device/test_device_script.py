@@ -1,4 +1,4 @@
-"""The lent-device CUDA round trip's own logic, on CPU (issue 16).
+"""The lent-device CUDA round trip's own logic, on CPU.
 
 * ``prepare_carry.py``: slimmed wheels keep every member byte-identical with
   its RECORD row; a carry over the limit is refused and nothing is written;

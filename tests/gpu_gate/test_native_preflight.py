@@ -1,4 +1,4 @@
-"""The gate's native-extension preflight (issue 13, item 6): before any server
+"""The gate's native-extension preflight: before any server
 starts, ``verify/gpu_gate.py`` loads LMCache's compiled extensions (``c_ops`` on
 0.5.3, ``lmcache_native``/``cuda_ops`` on 0.5.4+) in the target interpreter
 under its torch, records each in ``environment.native_extensions``, and aborts

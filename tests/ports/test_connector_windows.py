@@ -1,4 +1,4 @@
-"""EngineGroupInfo as each LMCache version's connector builds it (issue 11, item 3).
+"""EngineGroupInfo as each LMCache version's connector builds it.
 
 ``geometry.engine_group_infos`` asks the installed LMCache's own
 ``lmcache.integration.vllm.kv_cache_groups`` helpers for the window fields:

@@ -17,7 +17,7 @@ the code paths.
   and other blocks are overwritten (silent corruption); 0.5.4 refuses the
   store (the server answers False, nothing reaches the disk).
 
-With the stacked ``engine-driven`` set (hybrid-fa + engine-driven, issue 15)
+With the stacked ``engine-driven`` set (hybrid-fa + engine-driven)
 every preset restores byte-exact in engine-driven mode, and the fs L2 objects
 it leaves are byte-identical, name for name, to those of an lmcache-driven
 store by the same build.
@@ -203,7 +203,7 @@ def test_engine_driven_objects_identical_to_lmcache_driven_k1(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# the stacked engine-driven set (issue 15)
+# the stacked engine-driven set
 # ---------------------------------------------------------------------------
 
 

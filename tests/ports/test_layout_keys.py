@@ -1,4 +1,4 @@
-"""Layout-namespaced disk-tier keys (05-layout-keys, issue 12 item 1).
+"""Layout-namespaced disk-tier keys (05-layout-keys).
 
 * The namespace function, run from each patched series in its runtime venv
   (``lmcache_patchtool_verify.layout_keys_probe``): the same value on every

@@ -181,7 +181,7 @@ def test_untouched_groups_byte_identical(version):
 @pytest.mark.parametrize("patched", [False, True])
 @pytest.mark.parametrize("version", VERSIONS)
 def test_gdn_chunk_end_only(version, patched):
-    """0.5.4+'s connector gives the GDN group ``sw_size_tokens = N`` (issue 11):
+    """0.5.4+'s connector gives the GDN group ``sw_size_tokens = N``:
     with two blocks per chunk the server stores and restores only each chunk's
     end slot.  Measured (qwen35 and control-k1, C = 2N, 5 chunks, skip 3):
     12 of 12 expected GDN slots restored (3 layers x chunk ends 3, 5, 7, 9), the

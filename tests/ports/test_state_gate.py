@@ -1,4 +1,4 @@
-"""The null-state restore gate (verify/state_gate.py, issue 11): a hybrid
+"""The null-state restore gate (verify/state_gate.py): a hybrid
 request prefilled in 4-block steps (vLLM's align mode leaves the Mamba slots
 inside a step null), stored, the server SIGKILLed and restarted on the same fs
 L2 tier, then a second request sharing 6 blocks, a prefix that ends inside the

@@ -1,4 +1,4 @@
-"""The vLLM 0.28-0.33 geometries (issue 13 item 3) through the round-trip
+"""The vLLM 0.28-0.33 geometries through the round-trip
 harness, pristine and patched, with each version's real connector edits.
 
 * ``qwen35-bs576`` (576/64, k=9), ``qwen35-tp4-bs320`` (320/64, k=5) and
@@ -13,7 +13,7 @@ harness, pristine and patched, with each version's real connector edits.
 
 Fast tier (``bash .ci/run``): one 576/64 cell, pristine and patched, on the
 oldest (0.5.3) and newest (0.5.6) series.  The rest is ``slow``; everything:
-``python3 -m pytest tests/ports/test_vllm030_presets.py`` (README, Tests)."""
+``python3 -m pytest tests/ports/test_vllm030_presets.py`` (CONTRIBUTING.md)."""
 
 from __future__ import annotations
 

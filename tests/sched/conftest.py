@@ -1,7 +1,7 @@
-"""Fixtures for the scheduler-faithful simulation (issue 11, item 1):
+"""Fixtures for the scheduler-faithful simulation:
 ``verify/lmcache_patchtool_verify/sched_sim.py`` run in an LMCache version's
 runtime venv with ``PYTHONPATH = <lmcache overlay>:<vLLM X layer>:verify`` (X =
-0.27.1 unless a test asks for another; issue 13).
+0.27.1 unless a test asks for another).
 
 One CLI run per (version, build, vLLM) yields every scenario of the set (one import
 of vLLM and LMCache per run: ~15 s), cached for the session.

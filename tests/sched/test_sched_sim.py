@@ -1,6 +1,6 @@
 """Hybrid (Mamba align + FA) caching under vLLM 0.27.1's REAL Scheduler:
 what LMCache stores, whether it is right, and how much of it a second request
-can use (issue 11, item 1).  See verify/lmcache_patchtool_verify/sched_sim.py
+can use.  See verify/lmcache_patchtool_verify/sched_sim.py
 and docs/scheduler-sim.md for what is real and what is modelled.
 
 CI subset: LMCache 0.5.3 and 0.5.6; builds pristine, r1 (part 03 revision 1:
@@ -46,7 +46,7 @@ def expected_build(version: str) -> str:
 # r1's measured usefulness under multi-block prefill steps: chunk 0 is
 # refused, so no prefix is usable (hit 0 of an ideal 1088-8704 tokens).
 R1_HIT_RATIO_MAX = 0.0
-# r2's target (issue 11, "Done when"): every scenario with steps >= 2N.
+# r2's target: every scenario with steps >= 2N.
 R2_HIT_RATIO_MIN = 0.95
 # Versions whose connector looks up the whole prompt (no reserve_last_token,
 # which 0.5.6 added for Mamba align mode): on a full-prompt hit vLLM

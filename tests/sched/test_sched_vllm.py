@@ -1,4 +1,4 @@
-"""The scheduler-faithful simulation over vLLM versions (issue 13, item 2):
+"""The scheduler-faithful simulation over vLLM versions:
 each vLLM's own Scheduler/KVCacheManager/MambaManager with its own features on
 (0.30+: ``kv_connector_block_state``; 0.33+: prefill checkpoint blocks for a
 Qwen GDN-like model, N = 576), the real LMCacheMPConnector of each series,

@@ -1,4 +1,4 @@
-"""The shipped stack ``hybrid-fa`` + ``engine-driven`` (issue 15) on the
+"""The shipped stack ``hybrid-fa`` + ``engine-driven`` on the
 real wheels: ``apply --set engine-driven`` on a pristine install applies both
 sets in one transaction, status and verify report each set, a kill half-way
 recovers to the untouched install, and revert gives back the wheel's bytes,

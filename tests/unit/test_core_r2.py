@@ -1,4 +1,4 @@
-"""patchtool core revision 2 (issue 14): each input that used to end in a
+"""patchtool core revision 2: each input that used to end in a
 traceback, a wrong target or an inexact revert, on the synthetic wheel.
 
 Full-disk and read-only cases use real tmpfs mounts (root only, as on these

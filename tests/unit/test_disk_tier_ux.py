@@ -1,5 +1,5 @@
-"""What the operator is told about the disk tier and the next step (issue 12,
-item 4): `status` names the key scheme in force, `apply` prints the disk-tier
+"""What the operator is told about the disk tier and the next step:
+`status` names the key scheme in force, `apply` prints the disk-tier
 note, and `status`/`verify` give the exact `patchtool apply` command when the
 install is pristine (after `pip install -U lmcache`) or on an older revision."""
 

@@ -1,4 +1,4 @@
-"""``gate_transfer_modes`` (issue 15): a set that fixes LMCache's
+"""``gate_transfer_modes``: a set that fixes LMCache's
 engine-driven path declares that the CPU restore gate must pass in that mode
 too, and ``verify --restore cpu`` then runs the gate once per declared mode.
 The gate here is a stand-in script (``LMCACHE_PATCHTOOL_VERIFY``) that records

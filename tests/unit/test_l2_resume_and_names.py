@@ -104,7 +104,7 @@ def test_markup_and_control_bytes_in_names_are_shown_literally(tmp_path):
 
 
 def test_directory_named_like_an_object_is_foreign(tmp_path):
-    """README: a link or a directory named like an object is foreign (listed);
+    """docs/disk-tier.md: a link or a directory named like an object is foreign (listed);
     other directories (the adapter's tmp dir) are skipped subdirs."""
     d = tmp_path / "t"
     d.mkdir()

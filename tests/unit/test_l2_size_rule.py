@@ -19,7 +19,7 @@ from _cli import cli
 from .l2tier import FLAGGED, M, NS1, R, check_split, name, prefix, put, put_sparse, \
     scan_json, tree
 
-AMBIGUOUS = 21  # ExitCode.L2_AMBIGUOUS (README, "Disk tier")
+AMBIGUOUS = 21  # ExitCode.L2_AMBIGUOUS (docs/disk-tier.md)
 OLD, NEW = 6_815_744, 8_912_896  # pristine 0.5.3 / pristine 0.5.6, hybrid k=17, C=2N
 SET = prefix()  # "Qwen-SEP-Qwen3.5-0.8B@0x01000100@0"
 

@@ -1,4 +1,4 @@
-"""scripts/provision_vllm.py, the vLLM version -> pins logic (issue 13 item 1),
+"""scripts/provision_vllm.py, the vLLM version -> pins logic,
 offline, on synthetic METADATA: the torch pin, the light packages' pins, the
 per-version extras, the nearest-CPU-torch choice and the version knob."""
 

@@ -1,4 +1,4 @@
-"""Stacked patch sets (issue 15, item 3), on synthetic sets: the unit tier's
+"""Stacked patch sets, on synthetic sets: the unit tier's
 base set ``synthset`` (01 edits F1 and F2, 02 edits F1 and F3) and a set
 ``synthstack`` that requires it (01 edits F1 and UNTOUCHED, 02 edits F2), so
 F1 and F2 are edited by both layers, F3 by the base only and UNTOUCHED by the

@@ -221,7 +221,7 @@ def test_usage_errors_exit_2(site, patch_root):
 
 
 def _crash_at(n: int) -> dict:
-    # The hook is being renamed (issue 14: one hook that counts every write);
+    # The hook was renamed (one hook that counts every write);
     # tests/_cli.py names the current one.
     return {CRASH_VAR: f"crash:{n}" if CRASH_VAR.endswith("FAULT") else str(n)}
 

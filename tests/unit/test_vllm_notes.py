@@ -1,4 +1,4 @@
-"""What the vLLM installed next to lmcache means for it (issue 13, item 6):
+"""What the vLLM installed next to lmcache means for it:
 ``status`` reads vLLM's version from its ``vllm-*.dist-info/METADATA`` in the
 site dirs it searched for lmcache (never imports vLLM), reports it
 (``vllm_version``), and notes a vLLM >= 0.33 (torch 2.14 pin: LMCache's native

@@ -1,7 +1,7 @@
 """The cross-version gate through real servers: writer build -> reader build
 over one persistent fs L2 directory (verify/xver_gate.py).
 
-* CI subset: the upgrade/downgrade edges issue 12 names (xver_gate.CI_EDGES,
+* CI subset: the upgrade/downgrade edges operators meet (xver_gate.CI_EDGES,
   six pairs), every preset, one and two blocks per chunk, in ONE orchestrator
   run (writers shared, one reader server per reader build and chunk size).
   Every cell must be what ``expected_outcome`` requires: never a wrong hit,

@@ -134,7 +134,7 @@ def test_revision_05_keys(cb: int) -> None:
 
 
 def test_issue_12_wrong_hits_today_become_misses() -> None:
-    """The three wrong hits issue 12 measured with today's keys turn into misses."""
+    """The three upstream wrong hits measured with today's keys turn into misses."""
     cases = [(S["0.5.5"], P["0.5.6"], "qwen35-0.8b", 1), (S["0.5.6"], P["0.5.6"], "pure-attn-bs128", 2),
              (S["0.5.3"], S["0.5.4"], "qwen35-0.8b", 2)]
     for w, r, name, cb in cases:

@@ -135,7 +135,7 @@ PRESETS: dict[str, Geometry] = {
                  description="pure attention, FlashInfer with --block-size 128: 128/64, k=2, no GDN layers"),
         Geometry("control-k1", 544, 544, num_kv_heads=2, head_size=256, num_fa_layers=1, num_gdn_layers=3,
                  description="hybrid under FlashAttention (no sub-paging): 544/544, k=1 control"),
-        # vLLM 0.28-0.33 geometries (issue 13).  GDN state of Qwen3.5-0.8B: conv (3, 6144) bf16
+        # vLLM 0.28-0.33 geometries.  GDN state of Qwen3.5-0.8B: conv (3, 6144) bf16
         # + ssm (16, 128, 128) fp32 = 1,085,440 B at TP=1, 271,360 B at TP=4 (vllm-geometry.md 1.3).
         Geometry("qwen35-bs576", 576, 64, num_kv_heads=2, head_size=256, num_fa_layers=1, num_gdn_layers=3,
                  gdn_state_bytes=1_085_440,
@@ -164,7 +164,7 @@ PRESETS: dict[str, Geometry] = {
     )
 }
 
-# The presets of the original (vLLM 0.27.1) matrix, and those issue 13 added.
+# The presets of the original (vLLM 0.27.1) matrix, and the vLLM 0.28-0.33 ones.
 BASE_PRESETS = ("qwen35-0.8b", "gdn-27b", "pure-attn-bs128", "control-k1")
 NEW_PRESETS = tuple(name for name in PRESETS if name not in BASE_PRESETS)
 

@@ -243,7 +243,7 @@ def probe_environment(python: str, *, with_torch: bool = True, timeout: float = 
 
 
 # ---------------------------------------------------------------------------
-# LMCache's native extensions under the deployment's torch (issue 13, item 6)
+# LMCache's native extensions under the deployment's torch
 # ---------------------------------------------------------------------------
 
 # The compiled extensions LMCache's transfer path can use: ``c_ops`` on 0.5.3,

@@ -109,7 +109,7 @@ class Cell:
 
 # ---------------------------------------------------------------------------
 # Matrices.  "fast": a few seconds in total; "full": the vLLM 0.27.1 geometry matrix;
-# "vllm030": the presets issue 13 added (vLLM 0.28-0.33); "wide": full + vllm030.
+# "vllm030": the vLLM 0.28-0.33 presets; "wide": full + vllm030.
 # ---------------------------------------------------------------------------
 
 def matrix(name: str, path: str = "python") -> list[Cell]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The CUDA round trip on a lent GPU machine, per LMCache version (issue 16).
+"""The CUDA round trip on a lent GPU machine, per LMCache version.
 
 Run by ``verify/gpu_roundtrip_device.sh`` (``python3 -m
 lmcache_patchtool_verify.roundtrip_device``, ``verify/`` on ``PYTHONPATH``)

@@ -9,7 +9,7 @@ overlay (``scripts/provision.py``), then runs the simulation in that venv, one
 process per (V, X, build), with vLLM X's own scheduler features on (0.33+:
 prefill checkpoint blocks, N = 576; see docs/scheduler-sim.md)::
 
-    # the committed evidence (issue 13), about 6 min on 2 cores once the layers exist
+    # the committed evidence, about 6 min on 2 cores once the layers exist
     python verify/lmcache_patchtool_verify/sched_matrix.py \\
         --vllm 0.27.1,0.28.0,0.30.0,0.33.0 --json verify/evidence/sched-vllm-matrix.json
     python verify/lmcache_patchtool_verify/sched_matrix.py --scenario ci --markdown   # 0.27.1 only
