@@ -69,9 +69,8 @@ from lmcache_patchtool_verify import gpu_system as gsys  # noqa: E402
 from lmcache_patchtool_verify import gpu_verdict as gv  # noqa: E402
 from lmcache_patchtool_verify import engine_device as ed  # noqa: E402
 from lmcache_patchtool_verify import engine_scenarios as es  # noqa: E402
+from lmcache_patchtool_verify import model_head  # noqa: E402 - stdlib (the head check)
 from lmcache_patchtool_verify import procs  # noqa: E402
-
-import tiny_hybrid_model as tiny  # noqa: E402 - stdlib at import time (the head check)
 
 SCHEMA = "lmcache-patchtool/engine-gate/1"
 LOG_PREFIX = "[engine-gate]"
@@ -433,7 +432,7 @@ class GateRun:
         if c.stop_signal not in ("kill", "term"):
             raise GateAbort(f"--stop-signal {c.stop_signal!r}: kill | term")
         # a head vLLM does not load makes every logit equal: "identical" would pass whatever the KV
-        head = tiny.check_untied(model)
+        head = model_head.check_untied(model)
         if head:
             raise GateRefused(head)
         if not model_is_hybrid(c.model) and c.mamba_cache_mode:

@@ -12,5 +12,10 @@ target environment.  Drivers used by the tests and the lent-device run
 ``python -m lmcache_patchtool_verify.<name>`` with ``verify/`` on
 ``PYTHONPATH``.
 
+The wheel ships only the three scripts patchtool runs (``restore_gate.py``,
+``roundtrip.py``, ``gpu_gate.py``) and the modules they import: the explicit
+list in pyproject.toml, which tests/tool/test_packaging.py checks.  The rest
+stays in the checkout.
+
 Importing the package imports nothing else (no torch, no lmcache).
 """
