@@ -468,8 +468,9 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", action="append", metavar="NAME",
-                    help="geometry preset (repeatable; 'all' = every preset but vLLM 0.30+'s GDN view, "
-                         f"which no LMCache version runs on CPU: {', '.join(ALL_PRESETS)}; default all)")
+                    help="geometry preset (repeatable; 'all' = every preset but vLLM 0.30+'s padded GDN view "
+                         "(the *-v030 presets, which on CPU only --transfer-mode engine_driven with the "
+                         f"stacked patch sets moves): {', '.join(ALL_PRESETS)}; default all)")
     ap.add_argument("--json", action="store_true", help="print the JSON report on stdout")
     ap.add_argument("--json-out", metavar="PATH", help="also write the JSON report to PATH")
     ap.add_argument("--chunks", type=int, default=3, help="chunks in the stored request (default 3)")
