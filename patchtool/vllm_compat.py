@@ -20,7 +20,8 @@ TORCH_214_NOTE = (
     "vLLM {vllm} pins torch 2.14 (vLLM >= 0.33): LMCache's native extensions (c_ops on "
     "0.5.3, lmcache_native and cuda_ops on 0.5.4+) were not checked under torch 2.14 by "
     "this project; check them on the GPU machine with `patchtool verify --restore gpu` "
-    "(its preflight imports them under this venv's torch) or verify/gpu_roundtrip_device.sh "
+    "(its preflight imports them under this venv's torch) or, from a checkout of this project, "
+    "verify/gpu_roundtrip_device.sh "
     "(the device probe)"
 )
 NOT_VERIFIED_NOTE = "not verified with vLLM {vllm}; verified: {verified}"
