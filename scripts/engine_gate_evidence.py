@@ -256,7 +256,10 @@ def summarise(name: str, spec: dict, result: dict, rc: int, seconds: float) -> d
     verdict = result.get("verdict") or {}
     starts = [{"process": p["name"], "ready_after_s": p.get("ready_after_s")} for p in result.get("processes", [])]
     per_length = []
-    for L, e in sorted((result.get("arms", {}).get("restore") or {}).items(), key=lambda kv: int(kv[0])):
+    # the restore arm per prompt length; its other entries ("first", "mid-step", "continuation")
+    # are the extra requests, summarised by _extras
+    restore = (result.get("arms", {}).get("restore") or {}).items()
+    for L, e in sorted(((k, v) for k, v in restore if k.isdigit()), key=lambda kv: int(kv[0])):
         per_length.append({"length": int(L), "prompt_tokens": e.get("prompt_tokens"),
                            "external_hits": (e.get("vllm_delta") or {}).get("external_hits"),
                            "ideal_hits": e.get("ideal_hits"), "hit_fraction": e.get("external_hit_fraction"),
