@@ -44,7 +44,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import restore_gate as rg  # verify/ (this script's directory) is on sys.path
+from lmcache_patchtool_verify import gate_server  # the server helpers the CPU restore gate uses
 from lmcache_patchtool_verify import geometry, procs
 
 SCHEMA = 1
@@ -137,9 +137,9 @@ class StateGate:
             l2 = work / "l2"
             l2.mkdir()
             zmq_port, http_port = procs.free_ports(2)
-            spec = rg.ServerSpec(zmq_port, http_port, cb * n, args.l1_size_gb, l2, work)
-            server = rg.launch_server(sup, spec, "A")
-            rg.await_server(server, spec, args.server_timeout)
+            spec = gate_server.ServerSpec(zmq_port, http_port, cb * n, args.l1_size_gb, l2, work)
+            server = gate_server.launch_server(sup, spec, "A")
+            gate_server.await_server(server, spec, args.server_timeout)
             self.log(f"server A up (chunk {cb * n} tokens, steps of {args.step_blocks} blocks)")
 
             # ---- first request: prefill in steps, store after each step ----
@@ -169,16 +169,16 @@ class StateGate:
 
             # ---- flush to L2, SIGKILL, restart on the same tier ----
             def settled() -> bool:
-                a = len(rg.l2_objects(l2, model))
+                a = len(gate_server.l2_objects(l2, model))
                 time.sleep(0.5)
-                return a > 0 and a == len(rg.l2_objects(l2, model))
+                return a > 0 and a == len(gate_server.l2_objects(l2, model))
             procs.wait_until(settled, args.step_timeout, poll=0.2)
             self.report["l2_objects"] = sorted(p.name.split("@")[0] + "@...@" + p.name.split("@")[2]
-                                               for p in rg.l2_objects(l2, model))
+                                               for p in gate_server.l2_objects(l2, model))
             client.close()
-            self.report["kill"] = rg.kill_server(server)
-            server = rg.launch_server(sup, spec, "B")
-            rg.await_server(server, spec, args.server_timeout)
+            self.report["kill"] = gate_server.kill_server(server)
+            server = gate_server.launch_server(sup, spec, "B")
+            gate_server.await_server(server, spec, args.server_timeout)
             self.log("server B up on the same L2 directory")
 
             # ---- second request: shared prefix ending inside a step ----
@@ -201,7 +201,7 @@ class StateGate:
                                          state_window_chunks=1)
             finally:
                 client.close(graceful=server.alive())
-            rg.kill_server(server)
+            gate_server.kill_server(server)
         return self._verdict(hit, ideal * n, hit_chunks * cb, ends, check, retrieve)
 
     @staticmethod

@@ -49,11 +49,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
-import traceback
 import urllib.request
 import uuid
 from pathlib import Path
@@ -103,7 +101,7 @@ def _encoded(key: Any) -> dict[str, Any]:
 
 
 def probe(args: argparse.Namespace) -> dict[str, Any]:
-    import restore_gate as rg  # noqa: PLC0415
+    from . import gate_env, gate_server  # noqa: PLC0415 - the server helpers the CPU restore gate uses
     from lmcache.v1.distributed.l2_adapters import fs_l2_adapter  # noqa: PLC0415
 
     from . import gate_client as gc  # noqa: PLC0415
@@ -114,7 +112,7 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     chunk = args.chunk_blocks * geo.tokens_per_block
     end = args.chunks * chunk
     doc: dict[str, Any] = {"format": FORMAT, "preset": geo.name, "k": geo.k, "transfer_mode": args.transfer_mode,
-                           "chunks": args.chunks, "chunk_tokens": chunk, "versions": rg.versions(),
+                           "chunks": args.chunks, "chunk_tokens": chunk, "versions": gate_env.versions(),
                            "observed_through": "real lmcache server: GET /status (read_locked_count) and "
                                                "DELETE /cache/objects tier=l1 force=false per object group"}
     phases: dict[str, Any] = {}
@@ -124,9 +122,9 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
         l2_dir = workdir / "l2"
         l2_dir.mkdir()
         zp, hp = procs.free_ports(2)
-        spec = rg.ServerSpec(zp, hp, chunk, args.l1_size_gb, l2_dir, workdir, transfer_mode=args.transfer_mode)
-        server = rg.launch_server(sup, spec, "probe")
-        rg.await_server(server, spec, args.server_timeout)
+        spec = gate_server.ServerSpec(zp, hp, chunk, args.l1_size_gb, l2_dir, workdir, transfer_mode=args.transfer_mode)
+        server = gate_server.launch_server(sup, spec, "probe")
+        gate_server.await_server(server, spec, args.server_timeout)
         doc["server_argv"] = list(server.argv)
         client = None
         try:
@@ -157,9 +155,9 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError("the server did not confirm the store")
 
             # 2. every object on disk, L1 quiet; the keys of every object group
-            logged_groups = rg.object_groups(procs.ansi_strip(server.log_text()), model)
+            logged_groups = gate_server.object_groups(procs.ansi_strip(server.log_text()), model)
             _wait(f"{args.chunks * logged_groups} objects in the L2 directory",
-                  lambda: len(rg.l2_objects(l2_dir, model)) >= args.chunks * logged_groups, args.step_timeout)
+                  lambda: len(gate_server.l2_objects(l2_dir, model)) >= args.chunks * logged_groups, args.step_timeout)
             phases["after_store"] = _wait(
                 "the L2 writes drained and an L1 without staging, write- or read-locked objects",
                 lambda: (lambda s: s if not (s["staging_object_count"] or s["write_locked_count"]
@@ -168,7 +166,7 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
                          else None)(_status(spec)),
                 args.step_timeout)
             keys: dict[int, list[dict[str, Any]]] = {}
-            for path in rg.l2_objects(l2_dir, model):
+            for path in gate_server.l2_objects(l2_dir, model):
                 key = fs_l2_adapter._filename_to_object_key(path.name)
                 if key is not None:
                     keys.setdefault(key.object_group_id, []).append(_encoded(key))
@@ -246,25 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=5.0,
                     help="seconds to let read locks drop after END_SESSION before observing (default 5)")
     args = ap.parse_args(argv)
-    os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
-    import restore_gate as rg  # noqa: PLC0415
+    from . import gate_env  # noqa: PLC0415 - stdlib only; kept beside the probe's other lazy imports
 
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"ed-lock-probe-client-{os.getpid()}.log"
-    code = 0
-    with rg.quiet_library_output(log) as (out, _err):
-        try:
-            doc = probe(args)
-        except Exception as exc:  # noqa: BLE001
-            doc = {"format": FORMAT, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-            try:
-                doc["client_log_tail"] = log.read_text("utf-8", "replace").splitlines()[-40:]
-            except OSError:
-                pass
-            code = 2
-        out.write(json.dumps(doc, default=str) + "\n")
-        out.flush()
-    log.unlink(missing_ok=True)
-    return code
+    return gate_env.run_json_probe(lambda: probe(args), "ed-lock-probe", FORMAT)
 
 
 if __name__ == "__main__":

@@ -39,12 +39,10 @@ ran (whatever it found), 2 when it could not.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import secrets
 import sys
-import traceback
 import uuid
 from pathlib import Path
 from typing import Any
@@ -88,7 +86,7 @@ def _probe_elsewhere() -> None:
 
 
 def probe(args: argparse.Namespace) -> dict[str, Any]:
-    import restore_gate as rg  # noqa: PLC0415
+    from . import gate_env, gate_server  # noqa: PLC0415 - the server helpers the CPU restore gate uses
 
     from . import gate_client as gc  # noqa: PLC0415
     from . import geometry, procs  # noqa: PLC0415
@@ -100,7 +98,7 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     chunk = args.chunk_blocks * geo.tokens_per_block
     end = args.chunks * chunk
     doc: dict[str, Any] = {"format": FORMAT, "preset": geo.name, "k": geo.k, "chunks": args.chunks,
-                           "chunk_tokens": chunk, "versions": rg.versions(), "probe_elsewhere": args.probe_elsewhere,
+                           "chunk_tokens": chunk, "versions": gate_env.versions(), "probe_elsewhere": args.probe_elsewhere,
                            "server_overlay": str(args.server_overlay) if args.server_overlay else None}
     rounds: list[dict[str, Any]] = []
     doc["rounds"] = rounds
@@ -109,10 +107,10 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
         l2_dir = workdir / "l2"
         l2_dir.mkdir()
         zp, hp = procs.free_ports(2)
-        spec = rg.ServerSpec(zp, hp, chunk, args.l1_size_gb, l2_dir, workdir, transfer_mode="engine_driven")
+        spec = gate_server.ServerSpec(zp, hp, chunk, args.l1_size_gb, l2_dir, workdir, transfer_mode="engine_driven")
         pythonpath = f"{args.server_overlay}:{_VERIFY}" if args.server_overlay else None
-        server = rg.launch_server(sup, spec, "probe", pythonpath=pythonpath)
-        rg.await_server(server, spec, args.server_timeout)
+        server = gate_server.launch_server(sup, spec, "probe", pythonpath=pythonpath)
+        gate_server.await_server(server, spec, args.server_timeout)
         pids = [os.getpid(), server.pid]
         doc["server_pid"], doc["worker_pid"] = server.pid, os.getpid()
         client = None
@@ -182,25 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-elsewhere", action="store_true",
                     help="the worker's probe names a segment that does not exist here (another host)")
     args = ap.parse_args(argv)
-    os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
-    import restore_gate as rg  # noqa: PLC0415
+    from . import gate_env  # noqa: PLC0415 - stdlib only; kept beside the probe's other lazy imports
 
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"ed-staging-probe-client-{os.getpid()}.log"
-    code = 0
-    with rg.quiet_library_output(log) as (out, _err):
-        try:
-            doc = probe(args)
-        except Exception as exc:  # noqa: BLE001
-            doc = {"format": FORMAT, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-            try:
-                doc["client_log_tail"] = log.read_text("utf-8", "replace").splitlines()[-40:]
-            except OSError:
-                pass
-            code = 2
-        out.write(json.dumps(doc, default=str) + "\n")
-        out.flush()
-    log.unlink(missing_ok=True)
-    return code
+    return gate_env.run_json_probe(lambda: probe(args), "ed-staging-probe", FORMAT)
 
 
 if __name__ == "__main__":

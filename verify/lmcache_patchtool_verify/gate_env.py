@@ -12,9 +12,10 @@ import json
 import os
 import platform
 import sys
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 def versions() -> dict[str, Any]:
@@ -74,3 +75,26 @@ def quiet_library_output(log_path: Path | None) -> Iterator[Any]:
         os.close(saved[1])
         out.close()
         err.close()
+
+
+def run_json_probe(probe: Callable[[], dict[str, Any]], name: str, fmt: str) -> int:
+    """Run a probe with the library's output sent to a log, print its JSON
+    document on the original stdout: 0, or 2 with the error, its traceback
+    and the log's last 40 lines in the document."""
+    os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"{name}-client-{os.getpid()}.log"
+    code = 0
+    with quiet_library_output(log) as (out, _err):
+        try:
+            doc = probe()
+        except Exception as exc:  # noqa: BLE001 - any failure is the probe's answer
+            doc = {"format": fmt, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            try:
+                doc["client_log_tail"] = log.read_text("utf-8", "replace").splitlines()[-40:]
+            except OSError:
+                pass
+            code = 2
+        out.write(json.dumps(doc, default=str) + "\n")
+        out.flush()
+    log.unlink(missing_ok=True)
+    return code

@@ -188,24 +188,24 @@ def register(kind: str, url: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    import restore_gate as rg  # noqa: PLC0415 - verify/ on PYTHONPATH
+    from . import gate_server  # noqa: PLC0415 - the server helpers the CPU restore gate uses
     from lmcache_patchtool_verify import procs  # noqa: PLC0415
 
     doc: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="shm-state-probe-") as tmp, procs.Supervisor() as sup:
         work = Path(tmp)
         zp, hp = procs.free_ports(2)
-        spec = rg.ServerSpec(zp, hp, N, 0.1, work / "l2", work)
+        spec = gate_server.ServerSpec(zp, hp, N, 0.1, work / "l2", work)
         (work / "l2").mkdir()
-        server = rg.launch_server(sup, spec, "probe")
+        server = gate_server.launch_server(sup, spec, "probe")
         t0 = time.monotonic()
-        rg.await_server(server, spec, timeout=300)
+        gate_server.await_server(server, spec, timeout=300)
         doc["server_start_s"] = round(time.monotonic() - t0, 1)
         doc["models"] = {kind: register(kind, spec.zmq_url) for kind in ("hybrid", "attention")}
         time.sleep(1.0)  # the server logs the last registration after answering it
         log = (work / "server-probe.log").read_text(errors="replace")
         doc["server_registrations"] = log.count("Registered KV cache")
-        rg.kill_server(server)
+        gate_server.kill_server(server)
     text = json.dumps(doc, indent=1)
     if len(sys.argv) > 2 and sys.argv[1] == "--out":
         Path(sys.argv[2]).write_text(text)
