@@ -171,7 +171,7 @@ def lmcache_log_facts(text: str) -> dict[str, Any]:
 
 # wrappers vLLM puts around a worker's exception: never the root cause
 _WRAPPER_RE = re.compile(r"initialization failed|See root cause above|check the stack trace above|EngineDeadError")
-_EXC_RE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+_EXC_RE = re.compile(r"\b((?:[A-Z]\w*)?(?:Error|Exception)): (.+)$")  # a bare "Exception: ..." too
 
 
 def last_error_line(text: str) -> str | None:
