@@ -313,7 +313,12 @@ def _engine_build_line(cells_: list[dict]) -> str:
     judged = [c for c in cells_ if c not in refused]
     parts = []
     if refused:
-        parts.append("hybrid refused at engine start")
+        # 0.5.6 refuses at engine start; 0.5.3-0.5.5's engine-driven worker at the first store,
+        # which kills the engine (the gate's "died at a request ... on LMCache's refusal")
+        at_store = ["died at a request" in " ".join(c.get("reasons") or []) for c in refused]
+        parts.append("hybrid refused " + ("at the first store" if all(at_store) else
+                                          "at engine start or the first store" if any(at_store) else
+                                          "at engine start"))
     if judged:
         good = [c for c in judged if c["as_expected"]]
         parts.append(f"{len(good)}/{len(judged)} scenarios as expected")
