@@ -125,7 +125,7 @@ class GateConfig:
     gpu_memory_utilization: float = 0.5
     dtype: str = "auto"
     enforce_eager: bool = True
-    enable_prefix_caching: bool = True  # every arm: hybrid models need it for LMCache (issue 16)
+    enable_prefix_caching: bool = True  # every arm: hybrid models need it for LMCache
     mamba_cache_mode: str | None = "align"  # every arm; "" omits the flag
     vllm_extra_args: list[str] = field(default_factory=list)
     # LMCache
@@ -466,8 +466,8 @@ class GateRun:
                             if c.control_venv else None,
                             "model_config_sha256": gsys.sha256_path(model / "config.json"),
                             "model_is_tiny": model_is_tiny(c.model), "hostname": os.uname().nodename}
-        # LMCache's compiled extensions under the deployment's torch (issue 13, item 6:
-        # vLLM >= 0.33 pins torch 2.14): fail here, before any server starts.
+        # LMCache's compiled extensions under the deployment's torch (vLLM >= 0.33
+        # pins torch 2.14): fail here, before any server starts.
         native = gsys.probe_native_extensions(py, env=probe_env)
         self.environment["native_extensions"] = native
         problem, native_warnings = gsys.native_extension_verdict(native)

@@ -171,7 +171,7 @@ def test_engine_driven_outcomes(version, state):
 @pytest.mark.skipif(os.environ.get("LMCACHE_PATCHTOOL_FULL") != "1",
                     reason="LMCACHE_PATCHTOOL_FULL=1: CI checks k = 1 identity on the stacked build")
 def test_engine_driven_objects_identical_to_lmcache_driven_k1(tmp_path):
-    """Issue 15 item 2's baseline: for pure attention k = 1 (the one geometry
+    """The engine-driven baseline: for pure attention k = 1 (the one geometry
     every release runs in both modes) the fs L2 objects an engine-driven store
     leaves are byte-identical to an lmcache-driven store's (same key but the
     gate's per-run model name, same bytes)."""
@@ -252,7 +252,7 @@ def _need(version: str | None) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("version", _stacked_rows(), ids=lambda v: v or "none-yet")
 def test_engine_driven_stacked_restores_every_preset_with_lmcache_driven_objects(version, monkeypatch):
-    """Issue 15 items 2 and 4: with hybrid-fa + engine-driven every preset
+    """The stacked build: with hybrid-fa + engine-driven every preset
     restores byte-exact in engine-driven mode, and the same request stored by
     the same build in either mode leaves the same fs L2 objects, name for
     name and byte for byte, so an operator can switch modes over a

@@ -202,7 +202,7 @@ def test_patched_usefulness_under_multi_block_steps(sched_run, version, build, s
 @pytest.mark.skipif(not FULL, reason="wide matrix: LMCACHE_PATCHTOOL_SCHED_FULL=1")
 @pytest.mark.parametrize("version", [v for v in VERSIONS if v != "0.5.3"])
 def test_patched_usefulness_in_every_multi_block_scenario(sched_run, version):
-    """Issue 11's "done when" over the whole matrix: every scenario with
+    """The scheduler simulation's acceptance rule over the whole matrix: every scenario with
     steps >= 2N reaches ``expected_build(version)``'s bar."""
     expected = expected_build(version)
     short = []

@@ -145,7 +145,7 @@ def test_full_matrix_matches_expected_outcome(tmp_path: Path) -> None:
 
 
 def test_attention_k1_objects_keep_pristine_keys_and_bytes(ci_run) -> None:
-    """Issue 12: a non-hybrid k = 1 model keeps LMCache's keys and KV bytes
+    """A non-hybrid k = 1 model keeps LMCache's keys and KV bytes
     under the series.  The CI edges' writers pristine 0.5.6 and patched 0.5.6
     stored the same ``pure-attn-k1`` request (same seed): apart from the
     writer's own model prefix, every L2 file name (rank, object group, chunk
