@@ -375,7 +375,7 @@ class Options:
     device: str = "cpu"  # cpu | cuda (the real native path, harness_cuda.py)
     # EngineGroupInfo window fields: "connector" (the installed connector's own rule;
     # 0.5.4+: GDN sw_size_tokens = N, only the chunk-end GDN slot is stored), "none"
-    # (no window, the pre-issue-11 harness), "end" (0.5.4+'s rule forced).
+    # (no window, the harness before the GDN window rule), "end" (0.5.4+'s rule forced).
     window_rule: str = "connector"
 
 
@@ -1004,7 +1004,7 @@ def main(argv: list[str] | None = None, prepare: Callable[[], None] | None = Non
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--window-rule", choices=list(geometry.WINDOW_RULES), default="connector",
                     help="EngineGroupInfo window fields: connector (the installed connector's rule, default) | "
-                         "none (no window: the pre-issue-11 harness) | end (GDN sw_size_tokens = N)")
+                         "none (no window: the harness before the GDN window rule) | end (GDN sw_size_tokens = N)")
     ap.add_argument("--reps", type=int, default=1, help="store+retrieve repetitions per cell (timings)")
     ap.add_argument("--no-guards", action="store_true", help="disable guards (for timing)")
     ap.add_argument("--no-hashes", action="store_true", help="skip per-object sha256")

@@ -98,7 +98,7 @@ def _scenarios() -> dict[str, Scenario]:
     def add(s: Scenario) -> None:
         out[s.name] = s
 
-    # The issue-11 table (prompt 8N; 16N for 8192-token steps).
+    # The multi-block table of the original report (prompt 8N; 16N for 8192-token steps).
     add(Scenario("1blk-c1-8N", 8 * N))
     add(Scenario("2048-c1-8N", 8 * N, batched=2048))
     add(Scenario("2048-c2-8N", 8 * N, chunk_blocks=2, batched=2048))
