@@ -36,10 +36,13 @@ ADDED_BY_07 = ["lmcache/integration/vllm/lmcache_mp_connector.py"]  # not on 0.5
 ADDED_BY_08 = {"0.5.3": ["lmcache/integration/vllm/lmcache_mp_connector.py"]}
 ADDED_BY_08_DEFAULT = ["lmcache/integration/vllm/lmcache_mp_connector.py",
                        "lmcache/integration/vllm/lmcache_mp_metadata.py"]
-_ADDED_BY_09_CPU = ["lmcache/v1/platform/cpu/cache_context.py", "lmcache/v1/platform/cpu/shm.py",
+# (the connector marks the Mamba/GDN state layers the shared-memory path refuses)
+_ADDED_BY_09_CPU = ["lmcache/integration/vllm/lmcache_mp_connector.py",
+                    "lmcache/v1/platform/cpu/cache_context.py", "lmcache/v1/platform/cpu/shm.py",
                     "lmcache/v1/platform/torch_ops.py"]
 ADDED_BY_09 = {"0.5.3": _ADDED_BY_09_CPU, "0.5.4": _ADDED_BY_09_CPU, "0.5.5": _ADDED_BY_09_CPU,
-               "0.5.6": ["lmcache/v1/platform/devices/cpu/cache_context.py",
+               "0.5.6": ["lmcache/integration/vllm/lmcache_mp_connector.py",
+                         "lmcache/v1/platform/devices/cpu/cache_context.py",
                          "lmcache/v1/platform/devices/cpu/shm.py",
                          "lmcache/v1/platform/torch_ops/mp_mem_kernels.py"]}
 # 10-vllm030-registration (revision 4, 0.5.3 and 0.5.4): the layout from the
