@@ -131,12 +131,7 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
             model = f"ed-lock-probe-{geo.name}-{uuid.uuid4().hex[:8]}"
             layout = gc.Layout(geo, geometry.engine_group_infos(geo, "connector"))
             per_group = args.chunks * args.chunk_blocks
-            num_blocks = 1 + 2 * layout.num_groups * per_group + 2
-            src = gc.choose_block_ids(layout.num_groups, per_group, num_blocks, args.seed)
-            used = {b for ids in src for b in ids}
-            pool = [b for b in range(1, num_blocks) if b not in used]
-            random.Random(args.seed + 1).shuffle(pool)
-            dst = [pool[g * per_group:(g + 1) * per_group] for g in range(layout.num_groups)]
+            num_blocks, src, dst = gc.disjoint_store_and_restore_ids(layout.num_groups, per_group, args.seed)
             client = gc.Client(spec.zmq_url, model, layout, mq_timeout=args.step_timeout,
                                transfer_mode=args.transfer_mode)
             client.register(geometry.build_kv_caches(geo, num_blocks, fill=0))

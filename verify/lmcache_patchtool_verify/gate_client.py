@@ -249,6 +249,20 @@ def choose_block_ids(num_groups: int, per_group: int, num_blocks: int, seed: int
     raise RuntimeError("could not choose differing block ids")
 
 
+def disjoint_store_and_restore_ids(num_groups: int, per_group: int, seed: int
+                                   ) -> tuple[int, list[list[int]], list[list[int]]]:
+    """A pool just large enough, the ids a probe stores from, and other ids
+    (none of the stored ones) it restores into: ``(num_blocks, src, dst)``."""
+    import random  # noqa: PLC0415
+
+    num_blocks = 1 + 2 * num_groups * per_group + 2
+    src = choose_block_ids(num_groups, per_group, num_blocks, seed)
+    used = {b for ids in src for b in ids}
+    pool = [b for b in range(1, num_blocks) if b not in used]
+    random.Random(seed + 1).shuffle(pool)
+    return num_blocks, src, [pool[g * per_group:(g + 1) * per_group] for g in range(num_groups)]
+
+
 def fill_source(client: Client, ids: list[list[int]], seed: int) -> dict[tuple[int, int], torch.Tensor]:
     """Background everywhere, deterministic random bytes in the blocks to store.
 
