@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from geometry_evidence import REPO, VERSIONS, gate_presets, gate_report, write_evidence  # noqa: E402  (puts verify/ on sys.path)
 import provision  # noqa: E402
-from vllm_cells import patches_sha256  # noqa: E402
+from vllm_cells import patches_sha256, stacked_patches  # noqa: E402
 
 from restore_gate import l2_objects  # noqa: E402
 from lmcache_patchtool_verify.tier_objects import has_trailer, kv_bytes  # noqa: E402
@@ -69,13 +69,11 @@ BUILDS = ("pristine", "hybrid-fa", "stacked")
 
 def build_patches(version: str, build: str, root: Path = REPO / "patches") -> list[Path] | None:
     """The patches of a build, lowest set first; None: not shipped for the version."""
-    hybrid = sorted((root / "hybrid-fa" / version).glob("*.patch"))
     if build == "pristine":
         return []
     if build == "hybrid-fa":
-        return hybrid
-    top = root / "engine-driven" / version
-    return hybrid + sorted(top.glob("*.patch")) if (top / "manifest.json").exists() else None
+        return sorted((root / "hybrid-fa" / version).glob("*.patch"))
+    return stacked_patches(version, root)
 
 
 def _log(msg: str) -> None:

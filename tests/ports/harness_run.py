@@ -44,3 +44,20 @@ def ports_harness(version: str, patched: bool, cells: tuple[str, ...], options: 
     root = doc["lmcache"]["root"]
     assert Path(root).resolve() == overlay.resolve(), f"ran {root}, not the overlay {overlay}"
     return doc
+
+
+def vllm_layer_probe(module: str, version: str, patched: bool, out: Path, vllm: str = "0.33.0",
+                     timeout: float = 900) -> dict:
+    """``python -m lmcache_patchtool_verify.<module> --out OUT`` in ``version``'s runtime venv
+    over its pristine or patched overlay and the vLLM ``vllm`` layer; the JSON it wrote
+    (LMCache logs to stdout, so the probe's document goes to the file)."""
+    import provision_vllm  # noqa: PLC0415 - scripts/ is on sys.path above; heavy, only for these probes
+
+    layer = provision_vllm.vllm_layer(version, vllm=vllm)
+    overlay = provision.overlay(version, series(version) if patched else None)
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{REPO / 'verify'}", LMCACHE_DISABLE_BANNER="1")
+    proc = subprocess.run([str(provision.runtime_env(version) / "bin" / "python"), "-m",
+                           f"lmcache_patchtool_verify.{module}", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())

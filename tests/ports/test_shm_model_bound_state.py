@@ -32,14 +32,12 @@ CI (``bash .ci/run``): patched 0.5.6.  ``LMCACHE_PATCHTOOL_FULL=1``: patched
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from .harness_run import REPO, provision, series
+from .harness_run import vllm_layer_probe
 
 FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
 PATCHED = ("0.5.3", "0.5.4", "0.5.5", "0.5.6") if FULL else ("0.5.6",)
@@ -52,17 +50,7 @@ REFUSAL = (f"ValueError: migrate_to_shm_and_wrap: {GDN} is a Mamba/GDN state lay
 
 def shm_probe(version: str, patched: bool, tmp: Path) -> dict:
     """``shm_state_probe`` in ``version``'s runtime venv over the vLLM 0.33.0 layer."""
-    import provision_vllm  # scripts/ is on sys.path (tests/conftest.py)
-
-    layer = provision_vllm.vllm_layer(version, vllm="0.33.0")
-    overlay = provision.overlay(version, series(version) if patched else None)
-    out = tmp / f"shm-state-{version}-{patched}.json"
-    env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{REPO / 'verify'}", LMCACHE_DISABLE_BANNER="1")
-    proc = subprocess.run([str(provision.runtime_env(version) / "bin" / "python"), "-m",
-                           "lmcache_patchtool_verify.shm_state_probe", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())  # LMCache logs to stdout: the file, not stdout
+    return vllm_layer_probe("shm_state_probe", version, patched, tmp / f"shm-state-{version}-{patched}.json")
 
 
 @pytest.mark.parametrize("version", PATCHED)

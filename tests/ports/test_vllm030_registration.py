@@ -45,13 +45,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from .harness_run import REPO, ports_harness, provision, series
+from .harness_run import REPO, ports_harness, provision, series, vllm_layer_probe
 from .test_padded_block_stride import (SHM_ENGINE_DRIVEN, TIGHT_CELLS, TIGHT_CELLS_FULL,
                                        assert_cells_pass, objects_and_keys, probe, v030_cells)
 
@@ -72,17 +71,8 @@ def without(version: str, prefixes: tuple[str, ...]) -> list[Path]:
 
 def registration(version: str, patched: bool, tmp: Path, vllm: str = "0.33.0") -> dict:
     """``vllm030_registration_probe`` in ``version``'s runtime venv over the vLLM layer."""
-    import provision_vllm  # scripts/ is on sys.path (tests/conftest.py)
-
-    layer = provision_vllm.vllm_layer(version, vllm=vllm)
-    overlay = provision.overlay(version, series(version) if patched else None)
-    out = tmp / f"registration-{version}-{patched}-{vllm}.json"
-    env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{REPO / 'verify'}", LMCACHE_DISABLE_BANNER="1")
-    proc = subprocess.run([str(provision.runtime_env(version) / "bin" / "python"), "-m",
-                           "lmcache_patchtool_verify.vllm030_registration_probe", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(out.read_text())  # LMCache logs to stdout: the file, not stdout
+    doc = vllm_layer_probe("vllm030_registration_probe", version, patched,
+                           tmp / f"registration-{version}-{patched}-{vllm}.json", vllm=vllm, timeout=600)
     assert doc["vllm"] == vllm, doc
     return doc
 
