@@ -156,11 +156,15 @@ def cell(version: str, build: str) -> dict | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--versions", default=",".join(VERSIONS))
+    ap.add_argument("--builds", default=",".join(BUILDS))
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--merge", action="store_true",
+                    help="replace only the cells run now in --out, keep the others")
     args = ap.parse_args()
     started = time.monotonic()
-    cells = [c for v in args.versions.split(",") for b in BUILDS if (c := cell(v, b)) is not None]
-    doc = write_evidence(Path(args.out), SCHEMA, cells, started)
+    cells = [c for v in args.versions.split(",") for b in args.builds.split(",")
+             if (c := cell(v, b)) is not None]
+    doc = write_evidence(Path(args.out), SCHEMA, cells, started, merge=args.merge)
     _log(f"wrote {args.out} ({doc['seconds']} s)")
     return 0
 

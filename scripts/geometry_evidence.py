@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO / "verify"))
 import provision  # noqa: E402
 from vllm_cells import series_sha256  # noqa: E402
 
-from lmcache_patchtool_verify import geometry  # noqa: E402
+from lmcache_patchtool_verify import evidence_merge, geometry  # noqa: E402
 
 VERSIONS = ("0.5.3", "0.5.4", "0.5.5", "0.5.6")
 OUT = REPO / "verify" / "evidence" / "geometry-matrix.json"
@@ -152,12 +152,19 @@ def cell(version: str, build: str) -> dict:
             "series_sha256": series_sha256(version) if patches else None, "presets": presets}
 
 
-def write_evidence(out: Path, schema: int, cells: list[dict], started: float) -> dict:
+def write_evidence(out: Path, schema: int, cells: list[dict], started: float,
+                   merge: bool = False) -> dict:
     """Write an evidence file: schema, UTC date, host, seconds since
-    ``started`` (monotonic), the cells.  Shared with engine_driven_evidence."""
+    ``started`` (monotonic), the command, the cells.  With ``merge`` the
+    cells are merged into ``out``'s (same lmcache and build replaced, the rest
+    kept, ``runs`` saying which run wrote which).  Shared with
+    engine_driven_evidence."""
     doc = {"schema": schema, "generated": time.strftime("%Y-%m-%d", time.gmtime()),
            "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "device": "cpu"},
+           "command": " ".join(["python", *sys.argv]),
            "seconds": round(time.monotonic() - started), "cells": cells}
+    if merge and out.exists():
+        doc = evidence_merge.merge(json.loads(out.read_text()), doc, ("lmcache", "build"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
     return doc
@@ -166,11 +173,14 @@ def write_evidence(out: Path, schema: int, cells: list[dict], started: float) ->
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--versions", default=",".join(VERSIONS))
+    ap.add_argument("--builds", default="pristine,patched")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--merge", action="store_true",
+                    help="replace only the cells run now in --out, keep the others")
     args = ap.parse_args()
     started = time.monotonic()
-    cells = [cell(v, b) for v in args.versions.split(",") for b in ("pristine", "patched")]
-    doc = write_evidence(Path(args.out), SCHEMA, cells, started)
+    cells = [cell(v, b) for v in args.versions.split(",") for b in args.builds.split(",")]
+    doc = write_evidence(Path(args.out), SCHEMA, cells, started, merge=args.merge)
     _log(f"wrote {args.out} ({doc['seconds']} s)")
     return 0
 

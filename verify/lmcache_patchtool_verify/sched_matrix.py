@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true",
                     help="print the per-scenario table (sched_sim's) as well as the cell table")
     ap.add_argument("--out", help="write the raw per-scenario JSON results here")
+    ap.add_argument("--merge", action="store_true",
+                    help="with --json FILE: replace only the cells run now in FILE, keep the others")
     ap.add_argument("--from-evidence", metavar="FILE",
                     help="print the cell table of an evidence file (runs nothing)")
     args = ap.parse_args(argv)
@@ -349,7 +351,16 @@ def main(argv: list[str] | None = None) -> int:
                 c = cell(version, vllm, build, res, stamp, series(version, build))
                 c["seconds"] = round(time.monotonic() - t0, 1)
                 cells.append(c)
-    fill_pristine_verdict(cells)
+    if args.merge and args.json not in (None, "-") and Path(args.json).exists():
+        # The pristine verdict of a kept pair is recomputed over the union.
+        previous = json.loads(Path(args.json).read_text())
+        ran = {(c["lmcache"], c["vllm"], c["build"]) for c in cells}
+        cells_all = cells + [c for c in previous["cells"]
+                             if (c["lmcache"], c["vllm"], c["build"]) not in ran]
+        fill_pristine_verdict(cells_all)
+    else:
+        previous = None
+        fill_pristine_verdict(cells)
     for c in cells:
         # Aliases under the names scripts/vllm_cells.py reads.
         c["reason"] = c["not_constructed_reason"]
@@ -366,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
                           + " ".join(argv if argv is not None else sys.argv[1:]),
                "scenario_set": ",".join(args.scenario or ["ci"]), "git_head": head,
                "seconds": round(time.monotonic() - started, 1), "cells": cells}
+        if previous is not None:
+            from lmcache_patchtool_verify import evidence_merge  # noqa: PLC0415  (verify/ is on sys.path only when run as a script)
+
+            doc = evidence_merge.merge(previous, doc, ("lmcache", "vllm", "build"))
         text = json.dumps(doc, indent=1) + "\n"
         if args.json == "-":
             print(text)
