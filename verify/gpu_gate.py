@@ -49,6 +49,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -79,6 +80,18 @@ PLOT_NAME = "engine-gate-ttft.png"
 EXIT = {"pass": 0, "fail": 20, "inconclusive": 21, "error": 22}
 TINY_MARKER = "lmcache_patchtool_tiny"
 
+
+
+_LOG_TIME = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]")
+
+
+def _log_gap(first: str, second: str) -> float | None:
+    """Seconds between two LMCache log lines by their own timestamps (None if either has none)."""
+    stamps = [_LOG_TIME.search(ln) for ln in (first, second)]
+    if not all(stamps):
+        return None
+    t = [time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000 for m in stamps]
+    return round(t[1] - t[0], 3)
 
 class GateAbort(RuntimeError):
     """A state could not complete; the run stops, cleans up and reports ``error``."""
@@ -749,18 +762,29 @@ class GateRun:
                     "error": str(exc)[:400]}
 
     def _wait_recovery(self, vlog: procs.ManagedProcess, skip: int, t_up: float) -> dict[str, Any]:
-        """Wait for the engine to log that it re-registered with the restarted server (LMCache
-        0.5.6's heartbeat recovery); whatever it logged about LMCache meanwhile is recorded."""
+        """Wait for the engine's worker to log that it re-registered its KV caches with the
+        restarted server (the heartbeat's recovery callback); whatever it logged about LMCache
+        meanwhile is recorded.
+
+        The worker's line, not the first "resuming normal operation": the scheduler side
+        (its own heartbeat: upstream 0.5.6, part 13 on 0.5.3-0.5.5) can resume first, and a
+        lookup sent before the worker re-registered finds no KV context on the new server and
+        misses once ("No GPU context found ... during lookup").  That window is recorded
+        (``scheduler_ahead_s``), and the stored prompt is asked once the engine can serve it."""
         deadline = time.monotonic() + self.cfg.server_recover_timeout
         keys = ("re-register", "healthy again", "unhealthy", "degraded", "LMCache server")
         while True:
             new = [gs._ANSI.sub("", ln).strip() for ln in vlog.log_text().splitlines()[skip:]]
             seen = [ln[-300:] for ln in new if any(k in ln for k in keys)]
-            done = any("Finished re-registering" in ln or "resuming normal operation" in ln for ln in seen)
-            if done or time.monotonic() >= deadline or not vlog.alive():
-                return {"recovered_line": done, "seconds_after_server_start": round(time.monotonic() - t_up, 3),
+            resumed = [ln for ln in seen if "resuming normal operation" in ln]
+            registered = [ln for ln in seen if "Finished re-registering" in ln]
+            if registered or time.monotonic() >= deadline or not vlog.alive():
+                return {"recovered_line": bool(registered),
+                        "seconds_after_server_start": round(time.monotonic() - t_up, 3),
+                        "resumed_line": bool(resumed),
+                        "scheduler_ahead_s": _log_gap(resumed[0], registered[0]) if resumed and registered else None,
                         "engine_alive": vlog.alive(), "lines": seen[-12:]}
-            time.sleep(1.0)
+            time.sleep(0.2)
 
     def _sr_stored(self, p: gp.Prompt) -> dict[str, Any]:
         """The prompt stored in the store arm and not asked since: it must hit again, and its answer
