@@ -148,6 +148,8 @@ class GateConfig:
     # the worker's mode (the connector's lmcache.mp.mp_transfer_mode): auto | engine_driven |
     # lmcache_driven; None: not set (auto: engine-driven on a CPU worker, lmcache-driven on CUDA)
     worker_transfer_mode: str | None = None
+    # more of the connector's kv_connector_extra_config (e.g. lmcache.mp.mq_timeout), as given
+    connector_config: dict[str, Any] = field(default_factory=dict)
     # an lmcache tree (provision.overlay) put first on PYTHONPATH of vLLM and the server, so one
     # engine venv runs every LMCache version and patch state; the control arm may use another
     lmcache_overlay: str | None = None
@@ -1001,8 +1003,10 @@ class GateRun:
                              enforce_eager=c.enforce_eager, seed=c.seed,
                              enable_prefix_caching=c.enable_prefix_caching,
                              mamba_cache_mode=c.mamba_cache_mode or None, extra_args=tuple(c.vllm_extra_args))
-        mode = {"lmcache.mp.mp_transfer_mode": c.worker_transfer_mode} if c.worker_transfer_mode else None
-        kv_cfg = gs.kv_transfer_config(c.host, self.ports["lmcache"], mode) if kv else None
+        extra = dict(c.connector_config)
+        if c.worker_transfer_mode:
+            extra["lmcache.mp.mp_transfer_mode"] = c.worker_transfer_mode
+        kv_cfg = gs.kv_transfer_config(c.host, self.ports["lmcache"], extra or None) if kv else None
         argv = gs.vllm_argv(prefix, st, kv_cfg)
         try:
             self._start(f"vllm-{role}", role + "-vllm", argv,
@@ -1504,6 +1508,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--worker-transfer-mode", choices=["auto", "engine_driven", "lmcache_driven"],
                    help="the connector's lmcache.mp.mp_transfer_mode (default: not set, i.e. auto: engine-driven "
                         "on a CPU worker)")
+    g.add_argument("--connector-config", action="append", default=[], metavar="KEY=JSON",
+                   help="one more kv_connector_extra_config entry, the value as JSON (a bare word is a "
+                        "string), e.g. lmcache.mp.mq_timeout=30 (repeatable)")
     g = ap.add_argument_group("commands")
     g.add_argument("--vllm-cmd", help="command prefix for vLLM (default: gpu <venv>/bin/vllm serve; cpu "
                                       "<python> -m vllm.entrypoints.openai.api_server)")
@@ -1543,6 +1550,16 @@ def config_from_args(ns: argparse.Namespace) -> GateConfig:
             raise SystemExit(f"--env {item!r}: expected KEY=VALUE")
         env[k] = v
     kw["env"] = env
+    connector: dict[str, Any] = {}
+    for item in ns.connector_config:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise SystemExit(f"--connector-config {item!r}: expected KEY=JSON")
+        try:
+            connector[k] = json.loads(v)
+        except json.JSONDecodeError:
+            connector[k] = v
+    kw["connector_config"] = connector
     # None: the device profile's value; "" : not passed to vLLM
     if kw.get("attention_backend") is not None and kw["attention_backend"].lower() in ("auto", "none", ""):
         kw["attention_backend"] = ""

@@ -52,3 +52,12 @@ def test_no_worker_line_is_not_recovered() -> None:
     rec = _gate(0.5)._wait_recovery(GrowingLog([SCHED]), 0, 0.0)
     assert rec["recovered_line"] is False and rec["resumed_line"] is True
     assert rec["scheduler_ahead_s"] is None
+
+
+def test_connector_config_reaches_the_connector() -> None:
+    """``--connector-config`` bounds the connector's waits in the engine tests (the MQ timeout a
+    lookup sent during an outage waits without a scheduler heartbeat)."""
+    ns = gpu_gate.build_parser().parse_args(["--model", "/m", "--connector-config", "lmcache.mp.mq_timeout=30",
+                                            "--connector-config", "lmcache.mp.name=abc"])
+    cfg = gpu_gate.config_from_args(ns)
+    assert cfg.connector_config == {"lmcache.mp.mq_timeout": 30, "lmcache.mp.name": "abc"}
