@@ -92,6 +92,9 @@ def test_series_applies_with_zero_fuzz(version):
     if version != "0.5.6":
         expected.append("11-local-hit-count.patch")
     expected.append("12-l2-checksum.patch")
+    # revision 5: the scheduler's heartbeat (0.5.6 starts it upstream)
+    if version != "0.5.6":
+        expected.append("13-scheduler-heartbeat.patch")
     assert [p.name for p in series] == expected
     overlay = provision.overlay(version, series)  # GNU patch -p1 -F0; raises on fuzz/reject
     text = "".join((overlay / p).read_text() for p in (

@@ -59,6 +59,9 @@ ADDED_BY_11 = ["lmcache/integration/vllm/lmcache_mp_connector.py"]
 # trailer, and the fs_native adapter's refusal.
 ADDED_BY_12 = ["lmcache/v1/distributed/l2_adapters/fs_l2_adapter.py",
                "lmcache/v1/distributed/l2_adapters/fs_native_l2_adapter.py"]
+# 13-scheduler-heartbeat (revision 5, 0.5.3-0.5.5): the scheduler adapter's
+# heartbeat start.
+ADDED_BY_13 = ["lmcache/integration/vllm/vllm_multi_process_adapter.py"]
 
 
 def shipped_manifest(version: str) -> dict:
@@ -91,6 +94,8 @@ def added_files(version: str, revision: int) -> list[str]:
             files |= set(ADDED_BY_11)
         elif name.startswith("12-"):
             files |= set(ADDED_BY_12)
+        elif name.startswith("13-"):
+            files |= set(ADDED_BY_13)
         else:
             raise AssertionError(f"{version}: part {name} has no pinned file list here")
     return sorted(files)
@@ -187,7 +192,7 @@ def test_revision3_install_upgrades_with_apply(tmp_path, bare_envs, version):
     0.5.3-0.5.5, 10-vllm030-registration on 0.5.3/0.5.4): only the files
     those parts change (and pip's RECORD) are rewritten; revert is
     byte-exact."""
-    assert shipped_revision(version) == 4
+    assert shipped_revision(version) == (4 if version == "0.5.6" else 5)
     venv = copy_venv(bare_envs[version], tmp_path / "venv")
     py = str(venv / "bin" / "python")
     fresh = tree_hashes(site_of(bare_envs[version]), SKIP)
@@ -202,7 +207,32 @@ def test_revision3_install_upgrades_with_apply(tmp_path, bare_envs, version):
     changed = {p for p in set(r3_site) | set(r4_site) if r3_site.get(p) != r4_site.get(p)}
     assert {p for p in changed if not p.endswith("/RECORD")} == set(res["changed_files"])
     st = cli("status", "--python", py, "--json").json["result"]
-    assert (st["state"], st["revision"], st["next_command"]) == ("patched", 4, None)
+    assert (st["state"], st["revision"], st["next_command"]) == ("patched", shipped_revision(version), None)
+    assert cli("verify", "--python", py).rc == 0
+    assert cli("revert", "--python", py).rc == 0
+    assert tree_hashes(site_of(venv), SKIP) == fresh
+
+
+@pytest.mark.parametrize("version", ["0.5.5"] + (["0.5.3", "0.5.4"]
+                                                  if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
+def test_revision4_install_upgrades_with_apply(tmp_path, bare_envs, version):
+    """4 -> 5 (13-scheduler-heartbeat, 0.5.3-0.5.5): only the adapter (and
+    pip's RECORD) is rewritten; revert is byte-exact."""
+    assert shipped_revision(version) == 5
+    venv = copy_venv(bare_envs[version], tmp_path / "venv")
+    py = str(venv / "bin" / "python")
+    fresh = tree_hashes(site_of(bare_envs[version]), SKIP)
+    assert cli("apply", "--python", py,
+               patches=older_revision_root(tmp_path, version, 4)).rc == 0
+    r4_site = tree_hashes(site_of(venv), SKIP)
+
+    res = upgrade_with_apply(py, version)
+    assert sorted(res["changed_files"]) == ADDED_BY_13 == added_files(version, 4)
+    r5_site = tree_hashes(site_of(venv), SKIP)
+    changed = {p for p in set(r4_site) | set(r5_site) if r4_site.get(p) != r5_site.get(p)}
+    assert {p for p in changed if not p.endswith("/RECORD")} == set(ADDED_BY_13)
+    st = cli("status", "--python", py, "--json").json["result"]
+    assert (st["state"], st["revision"], st["next_command"]) == ("patched", 5, None)
     assert cli("verify", "--python", py).rc == 0
     assert cli("revert", "--python", py).rc == 0
     assert tree_hashes(site_of(venv), SKIP) == fresh
