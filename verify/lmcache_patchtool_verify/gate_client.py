@@ -217,9 +217,7 @@ class Client:
                 hb = getattr(self.worker, "_heartbeat", None)
                 if hb is not None:
                     hb.stop()
-                # 0.5.3/0.5.4 name the worker's client mq_client, 0.5.5+ req_client
-                mq = getattr(self.worker, "mq_client", None) or getattr(self.worker, "req_client")
-                mq.close()
+                self.worker.mq_client.close()
         finally:
             try:
                 self.scheduler.shutdown()
