@@ -24,8 +24,13 @@ Schema (``"schema": 1``)::
                 "patches_sha256": "<vllm_cells.patches_sha256 of the patches>" | null,
                 "presets": {"<preset>": {"k": int, "hybrid": bool, "gdn_view": "0.27"|"0.30",
                     "outcome": "pass"|"refused"|"wrong"|"miss"|"error",
-                    "reason": "<first reason>",
-                    "identical": bool | null}}}]}
+                    "reason": "<first reason>", "reasons": ["<up to four>"],
+                    "identical": bool | null}}}],
+     "runs": [...]}  # with --merge: which command measured which cells
+
+``outcome``: ``wrong`` when a restored byte differs or a byte outside the
+destination changed; ``miss`` when the gate failed otherwise (chunks lost,
+not stored, not served from disk): nothing wrong was restored.
 
 ``identical`` (stacked only): the preset's fs L2 objects from the
 engine-driven run equal, name for name (the run's model name aside) and
@@ -99,8 +104,11 @@ def outcome(p: dict) -> str:
         return "refused"
     if p["verdict"] != "fail":
         return "error"
-    restored = p.get("restored", {}).get("retrieve", {}).get("ok")
-    return "wrong" if restored else "miss"
+    # wrong: a restored byte differs or a byte outside the destination changed
+    # (gate_verdict's byte reasons); anything else (chunks lost, not stored,
+    # not served from disk) restored nothing wrong: a miss
+    wrong = any(r.startswith(("wrong ", "foreign writes")) for r in p.get("reasons") or [])
+    return "wrong" if wrong else "miss"
 
 
 def l2_digests(report: dict, preset: str) -> dict[str, str]:
@@ -144,7 +152,8 @@ def cell(version: str, build: str) -> dict | None:
                 identical = bool(mine) and mine == theirs
             presets[name] = {"k": g.k, "hybrid": g.num_gdn_layers > 0, "gdn_view": g.gdn_view,
                              "outcome": outcome(p),
-                             "reason": (p.get("reasons") or [""])[0][:300], "identical": identical}
+                             "reason": (p.get("reasons") or [""])[0][:300],
+                             "reasons": [r[:300] for r in (p.get("reasons") or [])[:4]], "identical": identical}
     finally:
         _cleanup(ed)
         if ld is not None:
