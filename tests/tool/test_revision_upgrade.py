@@ -185,54 +185,45 @@ def test_revision2_install_upgrades_with_apply(tmp_path, bare_envs, version):
     assert tree_hashes(site_of(venv), SKIP) == fresh
 
 
-@pytest.mark.parametrize("version", ["0.5.6"] + (["0.5.3", "0.5.4", "0.5.5"]
-                                                  if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
-def test_revision3_install_upgrades_with_apply(tmp_path, bare_envs, version):
-    """3 -> 4 (09-padded-block-stride, 12-l2-checksum; 11-local-hit-count on
-    0.5.3-0.5.5, 10-vllm030-registration on 0.5.3/0.5.4): only the files
-    those parts change (and pip's RECORD) are rewritten; revert is
-    byte-exact."""
-    assert shipped_revision(version) == (4 if version == "0.5.6" else 5)
+def upgrade_from(tmp_path: Path, bare_envs, version: str, older: int) -> dict:
+    """An install of revision ``older`` upgraded by ``apply`` to the shipped one:
+    only the files the newer parts change (and pip's RECORD) are rewritten, the
+    install is then ``patched`` at the shipped revision, and revert gives back the
+    wheel's bytes.  Returns apply's result."""
     venv = copy_venv(bare_envs[version], tmp_path / "venv")
     py = str(venv / "bin" / "python")
     fresh = tree_hashes(site_of(bare_envs[version]), SKIP)
     assert cli("apply", "--python", py,
-               patches=older_revision_root(tmp_path, version, 3)).rc == 0
-    r3_site = tree_hashes(site_of(venv), SKIP)
+               patches=older_revision_root(tmp_path, version, older)).rc == 0
+    before = tree_hashes(site_of(venv), SKIP)
 
     res = upgrade_with_apply(py, version)
-    assert set(ADDED_BY_09[version] + ADDED_BY_12) <= set(res["changed_files"])
-    assert sorted(res["changed_files"]) == added_files(version, 3)
-    r4_site = tree_hashes(site_of(venv), SKIP)
-    changed = {p for p in set(r3_site) | set(r4_site) if r3_site.get(p) != r4_site.get(p)}
+    assert sorted(res["changed_files"]) == added_files(version, older)
+    after = tree_hashes(site_of(venv), SKIP)
+    changed = {p for p in set(before) | set(after) if before.get(p) != after.get(p)}
     assert {p for p in changed if not p.endswith("/RECORD")} == set(res["changed_files"])
     st = cli("status", "--python", py, "--json").json["result"]
     assert (st["state"], st["revision"], st["next_command"]) == ("patched", shipped_revision(version), None)
     assert cli("verify", "--python", py).rc == 0
     assert cli("revert", "--python", py).rc == 0
     assert tree_hashes(site_of(venv), SKIP) == fresh
+    return res
+
+
+@pytest.mark.parametrize("version", ["0.5.6"] + (["0.5.3", "0.5.4", "0.5.5"]
+                                                  if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
+def test_revision3_install_upgrades_with_apply(tmp_path, bare_envs, version):
+    """3 -> shipped (09-padded-block-stride, 12-l2-checksum; 11-local-hit-count
+    on 0.5.3-0.5.5, 10-vllm030-registration on 0.5.3/0.5.4; 13 on 0.5.3-0.5.5)."""
+    assert shipped_revision(version) == (4 if version == "0.5.6" else 5)
+    res = upgrade_from(tmp_path, bare_envs, version, 3)
+    assert set(ADDED_BY_09[version] + ADDED_BY_12) <= set(res["changed_files"])
 
 
 @pytest.mark.parametrize("version", ["0.5.5"] + (["0.5.3", "0.5.4"]
                                                   if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
 def test_revision4_install_upgrades_with_apply(tmp_path, bare_envs, version):
-    """4 -> 5 (13-scheduler-heartbeat, 0.5.3-0.5.5): only the adapter (and
-    pip's RECORD) is rewritten; revert is byte-exact."""
+    """4 -> 5 (13-scheduler-heartbeat, 0.5.3-0.5.5): only the adapter changes."""
     assert shipped_revision(version) == 5
-    venv = copy_venv(bare_envs[version], tmp_path / "venv")
-    py = str(venv / "bin" / "python")
-    fresh = tree_hashes(site_of(bare_envs[version]), SKIP)
-    assert cli("apply", "--python", py,
-               patches=older_revision_root(tmp_path, version, 4)).rc == 0
-    r4_site = tree_hashes(site_of(venv), SKIP)
-
-    res = upgrade_with_apply(py, version)
-    assert sorted(res["changed_files"]) == ADDED_BY_13 == added_files(version, 4)
-    r5_site = tree_hashes(site_of(venv), SKIP)
-    changed = {p for p in set(r4_site) | set(r5_site) if r4_site.get(p) != r5_site.get(p)}
-    assert {p for p in changed if not p.endswith("/RECORD")} == set(ADDED_BY_13)
-    st = cli("status", "--python", py, "--json").json["result"]
-    assert (st["state"], st["revision"], st["next_command"]) == ("patched", 5, None)
-    assert cli("verify", "--python", py).rc == 0
-    assert cli("revert", "--python", py).rc == 0
-    assert tree_hashes(site_of(venv), SKIP) == fresh
+    res = upgrade_from(tmp_path, bare_envs, version, 4)
+    assert sorted(res["changed_files"]) == ADDED_BY_13
