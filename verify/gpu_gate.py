@@ -49,7 +49,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import sys
 import time
 import traceback
@@ -80,18 +79,6 @@ PLOT_NAME = "engine-gate-ttft.png"
 EXIT = {"pass": 0, "fail": 20, "inconclusive": 21, "error": 22}
 TINY_MARKER = "lmcache_patchtool_tiny"
 
-
-
-_LOG_TIME = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]")
-
-
-def _log_gap(first: str, second: str) -> float | None:
-    """Seconds between two LMCache log lines by their own timestamps (None if either has none)."""
-    stamps = [_LOG_TIME.search(ln) for ln in (first, second)]
-    if not all(stamps):
-        return None
-    t = [time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000 for m in stamps]
-    return round(t[1] - t[0], 3)
 
 class GateAbort(RuntimeError):
     """A state could not complete; the run stops, cleans up and reports ``error``."""
@@ -784,7 +771,7 @@ class GateRun:
                 return {"recovered_line": bool(registered),
                         "seconds_after_server_start": round(time.monotonic() - t_up, 3),
                         "resumed_line": bool(resumed),
-                        "scheduler_ahead_s": _log_gap(resumed[0], registered[0]) if resumed and registered else None,
+                        "scheduler_ahead_s": gs.log_gap(resumed[0], registered[0]) if resumed and registered else None,
                         "engine_alive": vlog.alive(), "lines": seen[-12:]}
             time.sleep(0.2)
 

@@ -32,6 +32,7 @@ import json
 import re
 import shlex
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -172,6 +173,19 @@ def lmcache_log_facts(text: str) -> dict[str, Any]:
 # wrappers vLLM puts around a worker's exception: never the root cause
 _WRAPPER_RE = re.compile(r"initialization failed|See root cause above|check the stack trace above|EngineDeadError")
 _EXC_RE = re.compile(r"\b((?:[A-Z]\w*)?(?:Error|Exception)): (.+)$")  # a bare "Exception: ..." too
+
+
+_LOG_TIME = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]")
+
+
+def log_gap(first: str, second: str) -> float | None:
+    """Seconds between two LMCache log lines by their own timestamps
+    (``[YYYY-MM-DD HH:MM:SS,mmm]``); None if either has none."""
+    stamps = [_LOG_TIME.search(ln) for ln in (first, second)]
+    if not all(stamps):
+        return None
+    t = [time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000 for m in stamps]
+    return round(t[1] - t[0], 3)
 
 
 def last_error_line(text: str) -> str | None:
