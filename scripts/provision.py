@@ -131,8 +131,13 @@ class Steps:
 
 def _run(cmd: list[str], steps: Steps | None = None, **kw) -> None:
     """Run ``cmd`` (check=True); while it runs, repeat the current step's
-    progress line every HEARTBEAT_S seconds."""
+    progress line every HEARTBEAT_S seconds.
+
+    The child's stdout goes to our stderr: this script's stdout carries only
+    the path it was asked for, so ``"$(provision.py bare V)"`` and every
+    ``--json`` document built on provisioning stay machine-readable."""
     print("+", shlex.join(cmd), file=sys.stderr, flush=True)
+    kw.setdefault("stdout", sys.stderr.fileno())
     proc = subprocess.Popen(cmd, **kw)
     while True:
         try:
