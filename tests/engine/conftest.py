@@ -14,6 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "verify"))  # the gate's helper package (engine_geometry: the CPU flags)
 
 import provision  # noqa: E402
 import provision_engine  # noqa: E402

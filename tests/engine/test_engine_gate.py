@@ -6,11 +6,17 @@ restore from the disk tier only, the verdict (greedy tokens and logprobs identic
 reference with the same cached length, external hit tokens >= 95 % of the ideal, the engine
 healthy after).
 
-CI runs one cell: the patched 0.5.6 stack (hybrid-fa + engine-driven) on the tiny hybrid with
-vLLM's default max_num_batched_tokens (multi-block prefill steps), with the pristine 0.5.6
-build as its negative control (it must refuse at engine start).  Everything else (the negative
-controls on stored objects, one block per step, chunk = 2 blocks, pure attention at block 128 and 256)
-needs LMCACHE_PATCHTOOL_FULL=1:
+The hybrid's logical block depends on the machine (engine_geometry.py): vLLM for CPU keeps the GDN
+state in float32 on a CPU with AVX-512 BF16 (the tiny hybrid: N = 640) and in bfloat16 elsewhere
+(N = 384).  The gate asks the engine's own code before it starts; these tests never assume N.
+
+CI runs two cells of the patched 0.5.6 stack (hybrid-fa + engine-driven) on the tiny hybrid with
+vLLM's default max_num_batched_tokens (multi-block prefill steps): the geometry this machine gives
+(``--mamba-ssm-cache-dtype`` not passed), with the pristine 0.5.6 build as its negative control (it
+must refuse at engine start), and the other CPU geometry asked for explicitly (bfloat16 on a CPU
+with AVX-512 BF16, float32 on one without), so both 384 and 640 run on every host.  Everything else
+(the negative controls on stored objects, one block per step, chunk = 2 blocks, pure attention at
+block 128 and 256) needs LMCACHE_PATCHTOOL_FULL=1:
 
     LMCACHE_PATCHTOOL_FULL=1 .venv/bin/python -m pytest tests/engine
 """
@@ -18,6 +24,8 @@ needs LMCACHE_PATCHTOOL_FULL=1:
 from __future__ import annotations
 
 import pytest
+
+from lmcache_patchtool_verify import engine_geometry as eg
 
 from .conftest import FULL, REPO, STACK, failed_checks, overlay, run_gate
 
@@ -34,19 +42,48 @@ def _passes(rc: int, result: dict, err: str) -> None:
     assert row["external_hit_fraction"] >= 0.95 and row["max_logprob_delta_vs_warm"] == 0.0
 
 
+# what vLLM for CPU does with an SSM state left on auto, by this machine's CPU (cpu.py)
+AUTO_STATE = "float32" if eg.cpu_flags().get("avx512_bf16") else "bfloat16"
+OTHER_STATE = {"float32": "bfloat16", "bfloat16": "float32"}[AUTO_STATE]
+BLOCK_OF_STATE = {"float32": 640, "bfloat16": 384}  # the tiny hybrid's aligned block (vLLM's arithmetic)
+
+
+def _ran_on(result: dict, state: str, asked: str) -> None:
+    """The result names the geometry it ran on, and every engine the gate started logged that block."""
+    geo = result["geometry"]["engine"]
+    assert result["device"] == "cpu" and geo["source"] == "probe", geo
+    assert (geo["block_size"], geo["ssm_state_dtype"], geo["ssm_state_dtype_asked"]) == \
+        (BLOCK_OF_STATE[state], state, asked), geo
+    assert "avx512_bf16" in geo["cpu_features"] and geo["why"], geo
+    assert result["config"]["resolved_chunk"] == geo["block_size"]
+    logged = result["geometry"]["vllm_logs"]["geometry"]
+    assert logged and {f["attention_block_size"] for f in logged.values()} == {geo["block_size"]}, logged
+
+
 def test_stacked_056_hybrid_multiblock_kill_restart(tmp_path, engine_python, hybrid_model):
-    """CI cell: patched 0.5.6 passes; pristine 0.5.6 (the control) refuses at engine start.  No cold
-    arm (one engine start less): the restore is judged against the store engine's own prefix hit."""
+    """CI cell, the geometry this machine gives: patched 0.5.6 passes; pristine 0.5.6 (the control)
+    refuses at engine start.  No cold arm (one engine start less): the restore is judged against the
+    store engine's own prefix hit."""
     rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k", "--no-cold-arm",
                                "--max-num-batched-tokens", "0",
                                "--lmcache-overlay", str(overlay("0.5.6", STACK)),
                                "--control-lmcache-overlay", str(overlay("0.5.6")))
     _passes(rc, result, err)
-    assert result["device"] == "cpu" and result["geometry"]["vllm_logs"]["store"]["attention_block_size"] == 640
+    _ran_on(result, AUTO_STATE, "auto")
     checks = {c["name"]: c for c in result["verdict"]["checks"]}
     assert checks["negative_control_fails"]["ok"] is True
     refused = result["engine_refused"]["control_store"]
     assert "does not support multiple KV transfer groups" in refused, refused
+
+
+def test_stacked_056_hybrid_multiblock_other_cpu_geometry(tmp_path, engine_python, hybrid_model):
+    """CI cell, the other CPU geometry asked for explicitly (an explicit SSM state dtype is kept on
+    any CPU): a host with AVX-512 BF16 runs the 384-token block, one without the 640-token block."""
+    rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k", "--no-cold-arm",
+                               "--max-num-batched-tokens", "0", "--mamba-ssm-cache-dtype", OTHER_STATE,
+                               "--lmcache-overlay", str(overlay("0.5.6", STACK)))
+    _passes(rc, result, err)
+    _ran_on(result, OTHER_STATE, OTHER_STATE)
 
 
 @full_only
@@ -78,7 +115,7 @@ def test_stacked_056_hybrid_one_block_per_step(tmp_path, engine_python, hybrid_m
 
 @full_only
 def test_stacked_056_hybrid_chunk_two_blocks(tmp_path, engine_python, hybrid_model):
-    rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k", "--chunk-size", "1280",
+    rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k", "--chunk-blocks", "2",
                                "--keys", "2", "--max-num-batched-tokens", "0",
                                "--lmcache-overlay", str(overlay("0.5.6", STACK)))
     _passes(rc, result, err)

@@ -7,7 +7,7 @@ the outage times out after ``lmcache.mp.mq_timeout``, that clears the scheduler'
 ping ever sets it again, so every later lookup is skipped until vLLM restarts (0 hit tokens,
 answers right).  hybrid-fa part ``13-scheduler-heartbeat`` starts it.
 
-* patched 0.5.5 (the shipped stack): ``recovered``, the stored prompt hits all 1,280 tokens;
+* patched 0.5.5 (the shipped stack): ``recovered``, the stored prompt hits all its tokens (two blocks);
 * the same stack without part 13 (the break): ``lost-hits``.
 
 The MQ timeout is 30 s here (``--connector-config``) so that the part-less run's outage request
@@ -43,7 +43,9 @@ def test_server_restarted_alone_055(tmp_path, engine_python, hybrid_model, witho
     stored = next(a for a in sr["asks"] if a["what"] == "stored prompt")
     assert stored["answer_ok"] is True, stored
     if outcome == "recovered":
-        assert rc == 0 and stored["external_hits"] == stored["ideal_hits"] == 1280, (rc, stored)
+        # two chunks of the block vLLM aligned on this machine (1,280 tokens at 640, 768 at 384)
+        two_blocks = 2 * result["geometry"]["engine"]["block_size"]
+        assert rc == 0 and stored["external_hits"] == stored["ideal_hits"] == two_blocks, (rc, stored)
         assert sr["recovery"]["recovered_line"] is True
     else:
         assert rc == 20 and stored["external_hits"] == 0, (rc, stored)

