@@ -34,6 +34,23 @@ same ports and looks up again; a sampler thread records every change of
 
 CI: patched 0.5.5.  ``LMCACHE_PATCHTOOL_FULL=1``: patched 0.5.3-0.5.6 and
 pristine 0.5.5.
+
+The lookup in flight when the server dies (hybrid-fa part
+``14-lookup-wait-while-healthy``, 0.5.3/0.5.4).  On 0.5.3 and 0.5.4 the
+scheduler adapter waits for the LOOKUP (and QUERY_PREFETCH_STATUS) reply on
+vLLM's scheduler thread for the whole MQ timeout: through the real engine the
+request sent as the server died held the engine 300 s.  The part waits in
+0.1 s slices and gives up once the heartbeat has cleared the server's health.
+The probe sends the outage lookup right after the SIGKILL (``--outage-lookup
+in-flight``) with a 20 s MQ timeout and a 1 s heartbeat:
+
+* patched: the lookup was sent healthy and gives up within two heartbeat
+  intervals (the next ping, then its timeout) plus a slice; a miss, never
+  answered; health comes back with the restarted server and the next lookup
+  is answered;
+* the series without part 14 (FULL): it waits the MQ timeout.
+
+CI: patched 0.5.4.  FULL: patched 0.5.3 and the 0.5.4 break.
 """
 
 from __future__ import annotations
@@ -51,17 +68,23 @@ FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
 PATCHED = ("0.5.3", "0.5.4", "0.5.5", "0.5.6") if FULL else ("0.5.5",)
 INTERVAL, MQ_TIMEOUT, WAIT_INTERVALS = 1.0, 3.0, 5.0
 WAIT = INTERVAL * WAIT_INTERVALS  # the probe's bound on each health change
+IN_FLIGHT_MQ_TIMEOUT = 20.0  # long enough to tell "gave up with the heartbeat" from "waited it out"
+WAIT_PART = "14-lookup-wait-while-healthy.patch"
 
 
-def heartbeat_probe(version: str, patched: bool, tmp: Path) -> dict:
-    """The probe's document for ``version``'s pristine or patched overlay."""
+def heartbeat_probe(version: str, patched: bool, tmp: Path, *, patches: list[Path] | None = None,
+                    mq_timeout: float = MQ_TIMEOUT, outage: str = "after-notice") -> dict:
+    """The probe's document for ``version``'s pristine or patched overlay (``patches``: another
+    series, e.g. the shipped one minus a part)."""
     venv = provision.runtime_env(version)
-    overlay = provision.overlay(version, series(version) if patched else None)
-    out = tmp / f"heartbeat-{version}-{'patched' if patched else 'pristine'}.json"
+    if patches is None:
+        patches = series(version) if patched else None
+    overlay = provision.overlay(version, patches)
+    out = tmp / f"heartbeat-{version}-{'patched' if patched else 'pristine'}-{outage}.json"
     env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}", LMCACHE_DISABLE_BANNER="1")
     proc = subprocess.run([str(venv / "bin" / "python"), "-m", "lmcache_patchtool_verify.heartbeat_probe",
-                           "--out", str(out), "--interval", str(INTERVAL), "--mq-timeout", str(MQ_TIMEOUT),
-                           "--wait-intervals", str(WAIT_INTERVALS)],
+                           "--out", str(out), "--interval", str(INTERVAL), "--mq-timeout", str(mq_timeout),
+                           "--wait-intervals", str(WAIT_INTERVALS), "--outage-lookup", outage],
                           capture_output=True, text=True, env=env, timeout=300)
     assert out.exists(), f"the probe wrote nothing (rc {proc.returncode})\n{proc.stderr[-3000:]}"
     doc = json.loads(out.read_text())
@@ -128,3 +151,29 @@ def test_patched_scheduler_heartbeat_recovers_after_server_restart(version, tmp_
 @pytest.mark.skipif(not FULL, reason="LMCACHE_PATCHTOOL_FULL=1: the upstream fault without the part")
 def test_pristine_scheduler_never_pings_and_stays_unhealthy(tmp_path):
     assert_upstream_fault(heartbeat_probe("0.5.5", False, tmp_path))
+
+
+def in_flight_probe(version: str, tmp: Path, *, without_part: bool = False) -> dict:
+    patches = [p for p in series(version) if not (without_part and p.name == WAIT_PART)]
+    assert without_part or any(p.name == WAIT_PART for p in patches), f"{version}: no {WAIT_PART}"
+    return heartbeat_probe(version, True, tmp, patches=patches, mq_timeout=IN_FLIGHT_MQ_TIMEOUT,
+                           outage="in-flight")
+
+
+@pytest.mark.parametrize("version", ("0.5.3", "0.5.4") if FULL else ("0.5.4",))
+def test_lookup_in_flight_gives_up_when_the_heartbeat_clears_health(version, tmp_path):
+    doc = in_flight_probe(version, tmp_path)
+    outage, after = doc["lookups"]["outage"], doc["lookups"]["after"]
+    assert outage["healthy_at_submit"] is True, outage  # sent before anything noticed the kill
+    assert outage["answered_by_server"] is False and outage["hit_tokens"] == 0, outage
+    # the heartbeat's next ping, then its timeout, then one 0.1 s slice (and the probe's polling)
+    assert outage["seconds"] <= 2 * INTERVAL + 0.5, outage
+    assert doc["unhealthy_after_kill_s"] is not None and doc["healthy_after_restart_s"] is not None, doc
+    assert after["healthy_at_submit"] and after["answered_by_server"] and after["healthy_after"], after
+
+
+@pytest.mark.skipif(not FULL, reason="LMCACHE_PATCHTOOL_FULL=1: the 0.5.4 series without the part")
+def test_lookup_in_flight_waits_the_mq_timeout_without_the_part(tmp_path):
+    outage = in_flight_probe("0.5.4", tmp_path, without_part=True)["lookups"]["outage"]
+    assert outage["healthy_at_submit"] is True and outage["hit_tokens"] == 0, outage
+    assert IN_FLIGHT_MQ_TIMEOUT <= outage["seconds"] < IN_FLIGHT_MQ_TIMEOUT + 2, outage

@@ -15,7 +15,10 @@ and driven the way the scheduler drives it:
    ``is_healthy`` to go False;
 3. lookup ``outage`` (vLLM keeps scheduling requests): sent while the adapter
    still believes the server healthy, it times out after ``mq_timeout`` and
-   the adapter marks the server unhealthy; skipped when already unhealthy;
+   the adapter marks the server unhealthy; skipped when already unhealthy.
+   ``--outage-lookup in-flight`` sends it right after the SIGKILL, before the
+   heartbeat can have noticed, and only then waits for health to go False:
+   the lookup vLLM's scheduler thread is blocked in when the server dies;
 4. restart the server on the same ports; wait as long for ``is_healthy`` True;
 5. lookup ``after``: answered by the server, or skipped (0 hit tokens).
 
@@ -107,7 +110,8 @@ def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
                       "root": str(Path(lmcache.__file__).parent.parent)}
     interval = args.interval
     wait = args.wait_intervals * interval
-    doc["config"] = {"heartbeat_interval": interval, "mq_timeout": args.mq_timeout, "wait_s": wait}
+    doc["config"] = {"heartbeat_interval": interval, "mq_timeout": args.mq_timeout, "wait_s": wait,
+                     "outage_lookup": args.outage_lookup}
     geo = geometry.preset(PRESET)
     chunk = 2 * geo.tokens_per_block
     tokens = list(range(1, 2 * chunk + 1))
@@ -145,8 +149,12 @@ def run(args: argparse.Namespace, doc: dict[str, Any]) -> None:
             killed_at = time.monotonic()
             doc["kill"] = gate_server.kill_server(server)
             doc["kill"]["at"] = round(killed_at - t0, 3)
-            doc["unhealthy_after_kill_s"] = health.wait_for(False, killed_at, wait)
-            lookups["outage"] = lookup(client, "outage", tokens, args.mq_timeout + 5, t0)
+            if args.outage_lookup == "in-flight":
+                lookups["outage"] = lookup(client, "outage", tokens, args.mq_timeout + 5, t0)
+                doc["unhealthy_after_kill_s"] = health.wait_for(False, killed_at, wait)
+            else:
+                doc["unhealthy_after_kill_s"] = health.wait_for(False, killed_at, wait)
+                lookups["outage"] = lookup(client, "outage", tokens, args.mq_timeout + 5, t0)
 
             server = gate_server.launch_server(sup, spec, "restarted")
             start = time.monotonic()
@@ -175,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait-intervals", type=float, default=5.0,
                     help="how many heartbeat intervals to wait for a health change")
     ap.add_argument("--server-timeout", type=float, default=120.0)
+    ap.add_argument("--outage-lookup", choices=["after-notice", "in-flight"], default="after-notice",
+                    help="send the outage lookup once the adapter is unhealthy (default) or right after the kill")
     args = ap.parse_args(argv)
     doc: dict[str, Any] = {}
     try:
