@@ -95,6 +95,10 @@ def test_series_applies_with_zero_fuzz(version):
     # revision 5: the scheduler's heartbeat (0.5.6 starts it upstream)
     if version != "0.5.6":
         expected.append("13-scheduler-heartbeat.patch")
+    # revision 6 (0.5.3/0.5.4): the scheduler's reply waits give up with the heartbeat (0.5.5 and
+    # later no longer wait for the LOOKUP ack on the scheduler thread)
+    if version in ("0.5.3", "0.5.4"):
+        expected.append("14-lookup-wait-while-healthy.patch")
     assert [p.name for p in series] == expected
     overlay = provision.overlay(version, series)  # GNU patch -p1 -F0; raises on fuzz/reject
     text = "".join((overlay / p).read_text() for p in (

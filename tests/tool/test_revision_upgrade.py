@@ -2,7 +2,8 @@
 06-state-chunk-ends, on 0.5.3-0.5.5 07-lookup-reserves-last-token, appended;
 3: 08-block-state-from-vllm, appended; 4: 09-padded-block-stride,
 10-vllm030-registration on 0.5.3/0.5.4, 11-local-hit-count on 0.5.3-0.5.5,
-12-l2-checksum, appended): an install patched with an older
+12-l2-checksum, appended; 5: 13-scheduler-heartbeat on 0.5.3-0.5.5; 6:
+14-lookup-wait-while-healthy on 0.5.3/0.5.4): an install patched with an older
 revision of the shipped series is recognised as ``patched-older-revision``,
 `status` names the command that upgrades it, `apply` brings it to the shipped
 revision touching only the files the newer parts change, and `revert` gives
@@ -62,6 +63,11 @@ ADDED_BY_12 = ["lmcache/v1/distributed/l2_adapters/fs_l2_adapter.py",
 # 13-scheduler-heartbeat (revision 5, 0.5.3-0.5.5): the scheduler adapter's
 # heartbeat start.
 ADDED_BY_13 = ["lmcache/integration/vllm/vllm_multi_process_adapter.py"]
+# 14-lookup-wait-while-healthy (revision 6, 0.5.3/0.5.4): the scheduler
+# adapter's reply waits.
+ADDED_BY_14 = ["lmcache/integration/vllm/vllm_multi_process_adapter.py"]
+# the shipped hybrid-fa revision per version
+SHIPPED = {"0.5.3": 6, "0.5.4": 6, "0.5.5": 5, "0.5.6": 4}
 
 
 def shipped_manifest(version: str) -> dict:
@@ -96,6 +102,8 @@ def added_files(version: str, revision: int) -> list[str]:
             files |= set(ADDED_BY_12)
         elif name.startswith("13-"):
             files |= set(ADDED_BY_13)
+        elif name.startswith("14-"):
+            files |= set(ADDED_BY_14)
         else:
             raise AssertionError(f"{version}: part {name} has no pinned file list here")
     return sorted(files)
@@ -215,7 +223,7 @@ def upgrade_from(tmp_path: Path, bare_envs, version: str, older: int) -> dict:
 def test_revision3_install_upgrades_with_apply(tmp_path, bare_envs, version):
     """3 -> shipped (09-padded-block-stride, 12-l2-checksum; 11-local-hit-count
     on 0.5.3-0.5.5, 10-vllm030-registration on 0.5.3/0.5.4; 13 on 0.5.3-0.5.5)."""
-    assert shipped_revision(version) == (4 if version == "0.5.6" else 5)
+    assert shipped_revision(version) == SHIPPED[version]
     res = upgrade_from(tmp_path, bare_envs, version, 3)
     assert set(ADDED_BY_09[version] + ADDED_BY_12) <= set(res["changed_files"])
 
@@ -223,7 +231,16 @@ def test_revision3_install_upgrades_with_apply(tmp_path, bare_envs, version):
 @pytest.mark.parametrize("version", ["0.5.5"] + (["0.5.3", "0.5.4"]
                                                   if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
 def test_revision4_install_upgrades_with_apply(tmp_path, bare_envs, version):
-    """4 -> 5 (13-scheduler-heartbeat, 0.5.3-0.5.5): only the adapter changes."""
-    assert shipped_revision(version) == 5
+    """4 -> shipped (13-scheduler-heartbeat, 0.5.3-0.5.5; 14-lookup-wait-while-healthy, 0.5.3/0.5.4):
+    only the adapter changes."""
+    assert shipped_revision(version) == SHIPPED[version]
     res = upgrade_from(tmp_path, bare_envs, version, 4)
     assert sorted(res["changed_files"]) == ADDED_BY_13
+
+
+@pytest.mark.parametrize("version", ["0.5.4"] + (["0.5.3"] if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
+def test_revision5_install_upgrades_with_apply(tmp_path, bare_envs, version):
+    """5 -> 6 (14-lookup-wait-while-healthy, 0.5.3/0.5.4): only the adapter changes."""
+    assert shipped_revision(version) == 6
+    res = upgrade_from(tmp_path, bare_envs, version, 5)
+    assert sorted(res["changed_files"]) == ADDED_BY_14
