@@ -45,6 +45,7 @@ def test_cli_config():
     cfg.apply_profile(gpu_gate.ed.CPU)
     assert (cfg.block_size, cfg.resolved_expect_k(), cfg.nvidia_smi) == (None, 1, "none")
     assert cfg.env["VLLM_CPU_KVCACHE_SPACE"] and cfg.transfer_mode == "auto" and not cfg.attention_backend
+    assert cfg.env["VLLM_CPU_ATTN_SPLIT_KV"] == "0"  # the reduction order must not follow the threads
     with pytest.raises(SystemExit):
         gpu_gate.config_from_args(gpu_gate.build_parser().parse_args(["--model", "/m", "--env", "novalue"]))
 

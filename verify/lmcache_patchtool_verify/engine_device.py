@@ -75,7 +75,16 @@ CPU = DeviceProfile(name="cpu", block_size=None, page_tokens=32, attention_backe
                     pass_gpu_memory_utilization=False, vllm_launcher="module", server_transfer_mode="auto",
                     use_shim=True, l1_size_gb=1.0, ttft_required=False,
                     # vllm/engine/arg_utils.py (0.32.0): CPU, OPENAI_API_SERVER -> 2048 * world_size
-                    default_max_num_batched_tokens=2048, env={"VLLM_CPU_KVCACHE_SPACE": "2"})
+                    default_max_num_batched_tokens=2048,
+                    # VLLM_CPU_ATTN_SPLIT_KV=0: CPU_ATTN's split-KV path splits one query's keys
+                    # across the worker's OpenMP threads and merges the partial softmaxes, so its
+                    # result depends on the thread count (vLLM gives an engine with a KV connector
+                    # one core more than one without) and, where a merge follows the threads'
+                    # timing, on machine load.  Measured (the tiny hybrid, a 1-token prefill over a
+                    # cached 2,560-token prefix): 1 thread and 2 threads without split-KV give
+                    # bit-identical logprobs, 2 threads with it another answer.  Off, the gate's
+                    # tolerance 0 compares the same reduction order in every arm.
+                    env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_ATTN_SPLIT_KV": "0"})
 PROFILES = {"gpu": GPU, "cpu": CPU}
 
 _DETECT = r"""
