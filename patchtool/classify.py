@@ -239,7 +239,8 @@ def assess(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = False
             st.sets = [_set_state(pset, st)]
     if t is not None:
         st.vllm_version = installed_version(discovery.site_dirs, "vllm")
-        st.notes += vllm_notes(st.vllm_version, st.vllm_versions if st.patch_set else None)
+        st.notes += vllm_notes(st.vllm_version, st.vllm_versions if st.patch_set else None,
+                               lmcache=st.lmcache_version, state=st.state.value if st.state else None)
         st.leftover_state = _leftover(t, reader)
     return Assessment(st, layers, record.record if record is not None else None)
 

@@ -26,6 +26,20 @@ TORCH_214_NOTE = (
 )
 NOT_VERIFIED_NOTE = "not verified with vLLM {vllm}; verified: {verified}"
 
+# vLLM 0.34 removed ``CachedRequestData.resumed_req_ids`` (a request resumed after preemption is
+# re-sent in ``scheduled_new_reqs`` with its full block list).  Every LMCache release up to
+# 0.5.7rc2 reads it without a guard in the connector's ``_process_cached_requests``, inside
+# ``build_connector_meta``: measured with vLLM 0.34.0's real Scheduler, pristine 0.5.5 and 0.5.6
+# raise AttributeError at the first step, hybrid or not; this project's hybrid-fa sets (0.5.3-0.5.6)
+# serve a hybrid (their block-id resync takes vLLM's block state and never reads the field) and
+# raise the same for pure attention.  The note goes once a patch set lists a vLLM >= 0.34.
+SCHED_OUTPUT_VLLM = (0, 34)
+SCHED_OUTPUT_NOTE = (
+    "vLLM {vllm} no longer sends CachedRequestData.resumed_req_ids, which LMCache{lmcache} reads at every "
+    "scheduler step: {who} dies at the first step (AttributeError in build_connector_meta, which ends "
+    "the engine core){scope}. {action}"
+)
+
 _RELEASE = re.compile(r"\s*v?(\d+)\.(\d+)")
 
 
@@ -41,16 +55,41 @@ def public(version: str) -> str:
     return version.strip().split("+", 1)[0]
 
 
-def vllm_notes(vllm: str | None, verified: list[str] | None) -> list[str]:
+def vllm_notes(vllm: str | None, verified: list[str] | None, *, lmcache: str | None = None,
+               state: str | None = None) -> list[str]:
     """Notes for an lmcache install next to vLLM ``vllm`` (None: no vLLM found).
     ``verified`` is the patch set's ``vllm_versions``; None when there is no
-    patch set (then there is nothing to be verified against)."""
+    patch set (then there is nothing to be verified against).  ``lmcache`` and
+    ``state`` (the install's version and state) word the scheduler-output note."""
     if not vllm:
         return []
     notes = []
     rel = release(vllm)
     if rel is not None and rel >= TORCH_214_VLLM:
         notes.append(TORCH_214_NOTE.format(vllm=vllm))
+    note = scheduler_output_note(vllm, verified, lmcache=lmcache, state=state)
+    if note:
+        notes.append(note)
     if verified is not None and public(vllm) not in {public(v) for v in verified}:
         notes.append(NOT_VERIFIED_NOTE.format(vllm=vllm, verified=", ".join(verified) or "none"))
     return notes
+
+
+def scheduler_output_note(vllm: str, verified: list[str] | None, *, lmcache: str | None = None,
+                          state: str | None = None) -> str | None:
+    """The vLLM >= 0.34 scheduler-output note, or None (an older vLLM, or a patched install whose
+    patch set lists a vLLM >= 0.34 among the versions it was verified with)."""
+    rel = release(vllm)
+    if rel is None or rel < SCHED_OUTPUT_VLLM:
+        return None
+    fixed = [v for v in verified or () if (release(v) or (0, 0)) >= SCHED_OUTPUT_VLLM]
+    if state == "patched" and public(vllm) in {public(v) for v in fixed}:
+        return None
+    patched = state == "patched"
+    who = "this patched build" if patched else f"a {state or 'this'} build"
+    scope = (" for a pure-attention model; a hybrid runs (the patch set's block-id resync does not read "
+             "the field)") if patched else ""
+    action = ("apply the patch set verified with it: patchtool apply" if fixed else
+              "No patch set of this patchtool fixes it yet: keep vLLM <= 0.33 with this LMCache.")
+    return SCHED_OUTPUT_NOTE.format(vllm=vllm, lmcache=f" {lmcache}" if lmcache else "", who=who, scope=scope,
+                                    action=action)

@@ -62,7 +62,7 @@ def test_vllm_033_gets_the_torch_214_note(site, patch_root):
 def test_vllm_0271_gets_no_vllm_note(site, patch_root):
     fake_vllm(site, "0.27.1")
     res = status(site, patch_root)
-    assert res["vllm_version"] == "0.27.1"
+    assert res["vllm_version"] == "0.27.1" and not [n for n in res["notes"] if "resumed_req_ids" in n]
     assert res["vllm_versions"] == ["0.27.1"]
     assert torch_notes(res) == [] and unverified_notes(res) == []
 
@@ -180,3 +180,39 @@ def test_verify_restore_gpu_reports_the_native_preflight_abort(tmp_path, site, p
     native = check["data"]["report"]["environment"]["native_extensions"]
     assert native["torch"] == "2.14.0" and native["lmcache_root"] == str(site / "lmcache")
     assert r.rc == 14 and r.json["result"]["verdict"] == "restore check error: restore-gpu"
+
+
+SCHED_NEEDLE = "no longer sends CachedRequestData.resumed_req_ids"
+
+
+def sched_notes(res: dict) -> list[str]:
+    return [n for n in res["notes"] if SCHED_NEEDLE in n]
+
+
+def test_vllm_034_pristine_names_the_crash_at_the_first_step(site, patch_root):
+    fake_vllm(site, "0.34.0")
+    res = status(site, patch_root)
+    [note] = sched_notes(res)
+    assert "LMCache 9.9.9" in note and "a pristine build dies at the first step" in note, note
+    assert "keep vLLM <= 0.33" in note and "pure-attention" not in note, note
+
+
+def test_vllm_034_patched_names_the_pure_attention_crash(site, patch_root):
+    fake_vllm(site, "0.34.0")
+    assert cli("apply", "--site-packages", str(site), patches=patch_root).rc == 0
+    [note] = sched_notes(status(site, patch_root))
+    assert "this patched build dies at the first step" in note and "pure-attention model" in note, note
+
+
+@pytest.mark.parametrize("vllm, verified, state, expect", [
+    ("0.33.0", ["0.27.1"], "pristine", None),
+    ("0.34.0", None, None, "keep vLLM <= 0.33"),
+    ("0.34.1+cu129", ["0.33.0"], "patched", "pure-attention"),
+    ("0.34.0", ["0.33.0", "0.34.0"], "patched", None),  # verified with it: evidence says it serves
+    ("0.34.0", ["0.34.0"], "pristine", "apply the patch set verified with it"),
+    ("0.35.0", ["0.34.0"], "patched", "apply the patch set verified with it"),
+])
+def test_scheduler_output_note(vllm, verified, state, expect):
+    from patchtool.vllm_compat import scheduler_output_note
+    note = scheduler_output_note(vllm, verified, lmcache="0.5.6", state=state)
+    assert (note is None) if expect is None else (expect in note), note
