@@ -73,13 +73,19 @@ if mc.is_hybrid:
         with torch.device("meta"):
             model_cls(vllm_config=cfg, prefix="")
     current_platform.update_block_size_for_backend(cfg)
+    # what the state is stored in: an "auto" SSM cache dtype left as is (a CPU without
+    # AVX-512 BF16) resolves to the model's dtype here, as it does when the engine allocates
+    with set_current_vllm_config(cfg):
+        dtypes = model_cls.get_mamba_state_dtype_from_config(cfg)
+    out["mamba_state_dtypes"] = [str(d).replace("torch.", "") for d in dtypes]
     backends = current_platform._find_non_ssm_backends(cfg)
     out["attention_backends"] = [b.get_name() for b in backends]
     if backends:
         from vllm.v1.worker.utils import select_common_block_size
         out["kernel_block"] = select_common_block_size(cfg.cache_config.block_size, backends)
 out["block_size"] = cfg.cache_config.block_size
-out["ssm_state_dtype"] = cfg.cache_config.mamba_ssm_cache_dtype
+out["ssm_cache_dtype_config"] = cfg.cache_config.mamba_ssm_cache_dtype
+out["ssm_state_dtype"] = (out.get("mamba_state_dtypes") or [cfg.cache_config.mamba_ssm_cache_dtype])[-1]
 out["mamba_page_size_padded"] = cfg.cache_config.mamba_page_size_padded
 print(json.dumps(out))
 """
@@ -122,7 +128,8 @@ class EngineGeometry:
         if not self.hybrid:
             return f"block {self.block_size} (pure attention: vLLM's block)"
         feats = self.cpu_features
-        bf16 = feats.get("avx512_bf16")
+        # what vLLM asks (torch's check), else what /proc/cpuinfo lists
+        bf16 = (feats.get("torch") or {}).get("avx512_bf16", feats.get("avx512_bf16"))
         decided = (f"asked {self.ssm_state_dtype_asked}" if self.ssm_state_dtype_asked != "auto" else
                    "auto: " + ("AVX-512 BF16 present, vLLM resets it to float32" if bf16 else
                                "no AVX-512 BF16, the model's dtype is kept"))
