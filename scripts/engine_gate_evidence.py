@@ -72,21 +72,6 @@ SCENARIOS: dict[str, dict] = {
                         "args": ["--chunk-blocks", "2", "--keys", "2", "--max-num-batched-tokens", "0"],
                         "control": None,
                         "expect": "pass", "what": "stacked 0.5.6, LMCache chunk = 2 blocks, multi-block steps"},
-    # the two geometries vLLM for CPU gives the hybrid, each asked for explicitly so that both run on
-    # any CPU (an explicit SSM state dtype is never reset): float32 (what AVX-512 BF16 CPUs pick on
-    # auto) aligns the tiny hybrid to 640, bfloat16 (what other CPUs keep) to 384
-    "hybrid-fp32-state": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK, "control": None,
-                          "expect": "pass",
-                          "args": ["--max-num-batched-tokens", "0", "--no-cold-arm", "--mamba-ssm-cache-dtype",
-                                   "float32"],
-                          "what": "stacked 0.5.6, multi-block steps, the SSM state float32 (the tiny hybrid's "
-                                  "block 640: a CPU with AVX-512 BF16 on auto)"},
-    "hybrid-bf16-state": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK, "control": None,
-                          "expect": "pass",
-                          "args": ["--max-num-batched-tokens", "0", "--no-cold-arm", "--mamba-ssm-cache-dtype",
-                                   "bfloat16"],
-                          "what": "stacked 0.5.6, multi-block steps, the SSM state bfloat16 (the tiny hybrid's "
-                                  "block 384: a CPU without AVX-512 BF16 on auto)"},
     "hybrid-pristine": {"model": "hybrid-640", "version": "0.5.6", "sets": (), "args": [],
                         "control": None, "expect": "fail", "what": "pristine 0.5.6 on the hybrid"},
     "hybrid-zeroed-objects": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK,
@@ -165,6 +150,16 @@ SCENARIOS: dict[str, dict] = {
                              "args": ["--keys", "2", "--block-size", "2144", "--vllm-block-size", "32", "--no-cold-arm"],
                              "what": "stacked 0.5.6, the same unpadded hybrid, engine-driven (the CPU default)"},
 }
+# the two geometries vLLM for CPU gives the hybrid, each asked for explicitly so that both run on any
+# CPU (an explicit SSM state dtype is never reset): float32 (what AVX-512 BF16 CPUs pick on auto)
+# aligns the tiny hybrid to 640, bfloat16 (what other CPUs keep) to 384
+for _short, _dtype, _block, _cpu in (("fp32", "float32", 640, "a CPU with AVX-512 BF16"),
+                                     ("bf16", "bfloat16", 384, "a CPU without AVX-512 BF16")):
+    SCENARIOS[f"hybrid-{_short}-state"] = {
+        "model": "hybrid-640", "version": "0.5.6", "sets": STACK, "control": None, "expect": "pass",
+        "args": ["--max-num-batched-tokens", "0", "--no-cold-arm", "--mamba-ssm-cache-dtype", _dtype],
+        "what": f"stacked 0.5.6, multi-block steps, the SSM state {_dtype} (the tiny hybrid's block "
+                f"{_block}: {_cpu} on auto)"}
 # 0.5.3's connector refuses a hybrid whose prefill steps can span several blocks
 # (validate_mamba_step_alignment: block <= max_num_batched_tokens < 2 x block), so there its stacked
 # hybrid cells run one block per step and one cell records the refusal of vLLM's default

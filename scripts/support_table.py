@@ -82,7 +82,8 @@ def engine_table(patches_root: Path) -> str:
              "**CPU** = the stacked build passes every hybrid scenario on the shipped patches (multi-block "
              "prefill steps where the release allows them (0.5.3 refuses them at engine start) and one "
              "block per step, chunk = 2 blocks, after the restart a prefix ending inside a prefill step "
-             "and a decode continuation, the LMCache server restarted alone) and pure attention at "
+             "and a decode continuation, the LMCache server restarted alone, both CPU geometries: the "
+             "SSM state float32 (block 640) and bfloat16 (384)) and pure attention at "
              "block 128 and 256, and the pristine and hybrid-fa builds fail on the hybrid; **GPU** = "
              "also a GPU run of the gate in "
              "`verify/results/`; **-** = not verified (why).", "",
