@@ -526,8 +526,11 @@ class GateRun:
                                   mamba_cache_mode=c.mamba_cache_mode or None,
                                   enable_prefix_caching=c.enable_prefix_caching, dtype=c.dtype,
                                   tensor_parallel_size=c.tensor_parallel_size, max_model_len=c.max_model_len)
+            # vLLM's own code decides: the caller's PYTHONPATH, without the overlay or the shim
             env = self._env("geometry-probe")
-            env.pop("PYTHONPATH", None)  # vLLM's own code decides; no overlay, no shim needed
+            env.pop("PYTHONPATH", None)
+            if os.environ.get("PYTHONPATH"):
+                env["PYTHONPATH"] = os.environ["PYTHONPATH"]
             try:
                 self.geometry = eg.probe(py, args, env=env)
             except eg.GeometryError as exc:
