@@ -33,8 +33,8 @@ def _engine_cell(scenario, build, status, *, lm="0.5.6", model="hybrid-640", ref
 
 def test_real_engine_mark_is_decided_by_the_engine_gate_evidence(tmp_path):
     """The 'real engine' mark comes from verify/evidence/engine-gate.json only: CPU when the stacked
-    build passes a full cycle, one block per step, chunk = 2 blocks and pure attention at block 128
-    and 256 on the shipped patches and
+    build passes a full cycle, one block per step, chunk = 2 blocks, both CPU geometries (the SSM
+    state float32 and bfloat16) and pure attention at block 128 and 256 on the shipped patches and
     the pristine and hybrid-fa builds fail on the hybrid; GPU when a GPU run of the gate also passed."""
     import json  # noqa: PLC0415
 
@@ -44,6 +44,7 @@ def test_real_engine_mark_is_decided_by_the_engine_gate_evidence(tmp_path):
     refused = {"store": "ValueError: engine-driven transfer does not support multiple KV transfer groups now"}
     good = [_engine_cell("hybrid-followups", "stacked", "pass"), _engine_cell("hybrid-one-block", "stacked", "pass"),
             _engine_cell("hybrid-chunk-2n", "stacked", "pass"),
+            _engine_cell("hybrid-fp32-state", "stacked", "pass"), _engine_cell("hybrid-bf16-state", "stacked", "pass"),
             _engine_cell("attn-bs128", "stacked", "pass", model="attn"),
             _engine_cell("attn-bs256", "stacked", "pass", model="attn"),
             _engine_cell("hybrid-start", "pristine", "fail", refused=refused),
@@ -58,7 +59,7 @@ def test_real_engine_mark_is_decided_by_the_engine_gate_evidence(tmp_path):
 
     m = mark(good)
     assert (m.status, m.builds["pristine"], m.builds["stacked"]) == (
-        "CPU", "hybrid refused at engine start", "5/5 scenarios as expected"), m
+        "CPU", "hybrid refused at engine start", "7/7 scenarios as expected"), m
     assert mark(good[:-1]).why == "no real-engine run of the hybrid-fa build on the hybrid"
     stale = [_engine_cell("hybrid-followups", "stacked", "pass", sha="0" * 64)] + good[1:]
     assert mark(stale).why.startswith("real-engine evidence predates the shipped patches")
@@ -66,7 +67,9 @@ def test_real_engine_mark_is_decided_by_the_engine_gate_evidence(tmp_path):
     assert mark(failing).why.startswith("real engine: hybrid-followups fails with the stacked build")
     no_bs256 = [c for c in good if c["scenario"] != "attn-bs256"]
     assert mark(no_bs256).why == "missing real-engine scenario(s): attn-bs256"
-    lenient = good[:5] + [_engine_cell("hybrid-start", "pristine", "pass"), good[6]]
+    one_geometry = [c for c in good if c["scenario"] != "hybrid-bf16-state"]
+    assert mark(one_geometry).why == "missing real-engine scenario(s): hybrid-bf16-state"
+    lenient = good[:7] + [_engine_cell("hybrid-start", "pristine", "pass"), good[8]]
     assert mark(lenient).why.startswith("real engine: the pristine build passes the hybrid")
     (results / "gpu.json").write_text(json.dumps({"device": "gpu", "verdict": {"status": "pass"}, "environment": {
         "target": {"packages": {"lmcache": "0.5.6"}, "patch_marker_present": True}}}))
