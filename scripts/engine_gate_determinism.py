@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -44,11 +45,10 @@ sys.path.insert(0, str(HERE))
 
 import provision  # noqa: E402
 import provision_engine  # noqa: E402
+from engine_gate_evidence import GATE, STACK, series  # noqa: E402
 from geometry_evidence import write_evidence  # noqa: E402
 
 OUT = REPO / "verify" / "evidence" / "engine-determinism.json"
-GATE = REPO / "verify" / "gpu_gate.py"
-STACK = ("hybrid-fa", "engine-driven")
 CELL_ARGS = ["--lengths", "3k", "--max-num-batched-tokens", "0"]  # the CI cell, with the cold arm
 
 _SPIN = "while True: pass"
@@ -62,7 +62,7 @@ def _log(msg: str) -> None:
 
 
 @contextlib.contextmanager
-def load() -> "contextlib.AbstractContextManager[list[str]]":
+def load() -> Iterator[list[str]]:
     """The loaded condition's processes; yields what was started."""
     procs: list[subprocess.Popen] = []
     what: list[str] = []
@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     python = provision_engine.engine_env() / "bin" / "python"
     model = provision_engine.tiny_model("hybrid-640")
-    overlay = provision.overlay("0.5.6", [p for s in STACK for p in sorted((REPO / "patches" / s / "0.5.6")
-                                                                            .glob("*.patch"))])
+    overlay = provision.overlay("0.5.6", series("0.5.6", STACK))
     conditions = [(False, False), (False, True)] + ([(True, False), (True, True)] if args.with_split_kv else [])
     cells = []
     for split_kv, loaded in conditions:

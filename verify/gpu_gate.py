@@ -549,8 +549,7 @@ class GateRun:
         """A started engine must run on the geometry the keys and the chunk were sized for."""
         if p is None or self.geometry is None:
             return
-        facts = eg.log_facts(p.log_text())
-        self.vllm_logs.setdefault("geometry", {})[role] = facts
+        facts = self.vllm_logs[role] = gs.vllm_log_facts(p.log_text())  # refreshed when it stops
         problem = eg.check_against_log(self.geometry, facts)
         if problem:
             raise GateAbort(f"{role}: {problem}")

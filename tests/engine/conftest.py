@@ -24,6 +24,8 @@ FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
 # a stacked 0.5.6 build: hybrid-fa (its padded-stride part makes the CPU fallback work) +
 # engine-driven (a CPU worker transfers engine-driven)
 STACK = ("hybrid-fa", "engine-driven")
+# the tiny hybrid's aligned block by SSM state dtype (vLLM's arithmetic: engine_geometry.py)
+TINY_HYBRID_BLOCK = {"float32": 640, "bfloat16": 384}
 
 
 def series(version: str, sets: tuple[str, ...]) -> list[Path]:

@@ -27,7 +27,7 @@ import pytest
 
 from lmcache_patchtool_verify import engine_geometry as eg
 
-from .conftest import FULL, REPO, STACK, failed_checks, overlay, run_gate
+from .conftest import FULL, REPO, STACK, TINY_HYBRID_BLOCK, failed_checks, overlay, run_gate
 
 full_only = pytest.mark.skipif(not FULL, reason="set LMCACHE_PATCHTOOL_FULL=1 (each cell is one engine cycle)")
 DAMAGE = REPO / "verify" / "engine_l2_damage.py"
@@ -45,7 +45,6 @@ def _passes(rc: int, result: dict, err: str) -> None:
 # what vLLM for CPU does with an SSM state left on auto, by this machine's CPU (cpu.py)
 AUTO_STATE = "float32" if eg.cpu_flags().get("avx512_bf16") else "bfloat16"
 OTHER_STATE = {"float32": "bfloat16", "bfloat16": "float32"}[AUTO_STATE]
-BLOCK_OF_STATE = {"float32": 640, "bfloat16": 384}  # the tiny hybrid's aligned block (vLLM's arithmetic)
 
 
 def _ran_on(result: dict, state: str, asked: str) -> None:
@@ -53,11 +52,11 @@ def _ran_on(result: dict, state: str, asked: str) -> None:
     geo = result["geometry"]["engine"]
     assert result["device"] == "cpu" and geo["source"] == "probe", geo
     assert (geo["block_size"], geo["ssm_state_dtype"], geo["ssm_state_dtype_asked"]) == \
-        (BLOCK_OF_STATE[state], state, asked), geo
+        (TINY_HYBRID_BLOCK[state], state, asked), geo
     assert "avx512_bf16" in geo["cpu_features"] and geo["why"], geo
     assert result["config"]["resolved_chunk"] == geo["block_size"]
-    logged = result["geometry"]["vllm_logs"]["geometry"]
-    assert logged and {f["attention_block_size"] for f in logged.values()} == {geo["block_size"]}, logged
+    logged = result["geometry"]["vllm_logs"]
+    assert {logged[r]["attention_block_size"] for r in ("store", "restore")} == {geo["block_size"]}, logged
 
 
 def test_stacked_056_hybrid_multiblock_kill_restart(tmp_path, engine_python, hybrid_model):

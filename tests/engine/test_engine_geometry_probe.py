@@ -17,7 +17,7 @@ import pytest
 
 from lmcache_patchtool_verify import engine_geometry as eg
 
-BLOCK = {"float32": 640, "bfloat16": 384}  # the tiny hybrid's aligned block by SSM state dtype
+from .conftest import TINY_HYBRID_BLOCK as BLOCK
 
 
 def probe(engine_python: Path, model: Path, asked: str = "auto", env: dict | None = None) -> eg.EngineGeometry:

@@ -16,6 +16,14 @@ from pathlib import Path
 import pytest
 
 from lmcache_patchtool_verify import engine_geometry as eg
+from lmcache_patchtool_verify import gpu_servers as gs
+
+GEOMETRY_KEYS = ("attention_block_size", "mamba_padding_pct", "ssm_state_decision")
+
+
+def geometry_facts(text: str) -> dict:
+    facts = gs.vllm_log_facts(text)
+    return {k: facts[k] for k in GEOMETRY_KEYS}
 
 DATA = Path(__file__).parent / "data"
 NO_AVX512_LINES = (
@@ -35,14 +43,14 @@ def _probe_json(block: int, ssm: str, *, avx: bool) -> str:
 
 
 def test_avx512_bf16_log_gives_640_and_the_reset():
-    facts = eg.log_facts((DATA / "vllm-cpu-avx512bf16-auto-start.log").read_text())
+    facts = geometry_facts((DATA / "vllm-cpu-avx512bf16-auto-start.log").read_text())
     assert facts == {"attention_block_size": 640, "mamba_padding_pct": 20.75, "ssm_state_decision": "reset-to-float32"}
 
 
 def test_cpu_without_avx512_log_gives_384_and_no_ssm_line():
-    assert eg.log_facts(NO_AVX512_LINES) == {"attention_block_size": 384, "mamba_padding_pct": 40.15,
+    assert geometry_facts(NO_AVX512_LINES) == {"attention_block_size": 384, "mamba_padding_pct": 40.15,
                                              "ssm_state_decision": None}
-    assert eg.log_facts(EXPLICIT_BF16_LINE + NO_AVX512_LINES)["ssm_state_decision"] == "kept-bfloat16"
+    assert geometry_facts(EXPLICIT_BF16_LINE + NO_AVX512_LINES)["ssm_state_decision"] == "kept-bfloat16"
 
 
 @pytest.mark.parametrize("block,ssm,avx,asked,needle", [
@@ -62,11 +70,12 @@ def test_probe_result_names_the_geometry_and_why(block, ssm, avx, asked, needle)
 
 def test_a_started_engine_on_another_block_is_refused():
     geo = eg.parse_probe(_probe_json(640, "float32", avx=True), "auto", cpuinfo="flags : avx512_bf16\n")
-    problem = eg.check_against_log(geo, eg.log_facts(NO_AVX512_LINES))
+    problem = eg.check_against_log(geo, gs.vllm_log_facts(NO_AVX512_LINES))
     assert problem and "aligned its hybrid block to 384" in problem and "for 640" in problem
-    assert eg.check_against_log(geo, eg.log_facts((DATA / "vllm-cpu-avx512bf16-auto-start.log").read_text())) is None
+    assert eg.check_against_log(geo, gs.vllm_log_facts((DATA / "vllm-cpu-avx512bf16-auto-start.log").read_text())) \
+        is None
     # pure attention logs no alignment: nothing to compare
-    assert eg.check_against_log(geo, eg.log_facts("INFO nothing about blocks\n")) is None
+    assert eg.check_against_log(geo, gs.vllm_log_facts("INFO nothing about blocks\n")) is None
 
 
 def test_unparsable_probe_output_is_a_geometry_error():

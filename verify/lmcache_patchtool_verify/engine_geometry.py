@@ -17,7 +17,7 @@ layers on the meta device (no weights, no memory), and runs vLLM's own
 ``update_block_size_for_backend`` and ``select_common_block_size``: the same
 code that decides N and the kernel page when the engine starts.  After the
 engine is up, :func:`check_against_log` compares the probe with what the
-engine logged, so a probe that diverged from the real start is a loud abort,
+engine logged (``gpu_servers.vllm_log_facts``), so a probe that diverged from the real start is a loud abort,
 never a gate run on a wrong geometry.
 
 The CPU features that decided the SSM state dtype (AVX-512 BF16, AMX) are
@@ -28,11 +28,10 @@ recorded with the result, read both by torch (what vLLM asks) and from
 from __future__ import annotations
 
 import json
-import re
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 # ``--mamba-ssm-cache-dtype`` values that pin the hybrid's geometry on any CPU: an explicit
 # float32 is never reset; an explicit bfloat16 is kept by the CPU GDN backend (cpu.py keeps
@@ -90,14 +89,6 @@ out["mamba_page_size_padded"] = cfg.cache_config.mamba_page_size_padded
 print(json.dumps(out))
 """
 
-# vLLM's own log lines that carry the geometry (ANSI colour codes removed first)
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-BLOCK_RE = re.compile(r"Setting attention block size to (\d+) tokens")
-PADDING_RE = re.compile(r"Padding mamba page size by ([0-9.]+)%")
-SSM_RESET_RE = re.compile(r"Reset SSM cache type to float32 for accelerated GDN")
-SSM_KEPT_RE = re.compile(r"Using (float16|bfloat16) SSM state storage for the CPU accelerated GDN backend")
-
-
 class GeometryError(Exception):
     """The engine's geometry could not be learned, or the engine started on another one."""
 
@@ -114,7 +105,6 @@ class EngineGeometry:
     cpu_features: dict[str, Any]
     vllm: str
     source: str  # "probe": asked of vLLM's code; "given": --block-size on the command line
-    notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def expect_k(self) -> int:
@@ -211,21 +201,9 @@ def given(block_size: int, *, asked: str = "auto") -> EngineGeometry:
                           cpu_features=cpu_flags(), vllm="?", source="given")
 
 
-def log_facts(text: str) -> dict[str, Any]:
-    """What an engine's log says of its geometry: the aligned block, the Mamba padding and the SSM
-    state decision (``reset-to-float32``, ``kept-bfloat16``/``kept-float16``, or None: no line,
-    which is what a CPU without AVX-512 BF16 logs)."""
-    text = _ANSI.sub("", text)
-    blocks = [int(x) for x in BLOCK_RE.findall(text)]
-    pads = [float(x) for x in PADDING_RE.findall(text)]
-    kept = SSM_KEPT_RE.findall(text)
-    ssm = "reset-to-float32" if SSM_RESET_RE.search(text) else (f"kept-{kept[-1]}" if kept else None)
-    return {"attention_block_size": blocks[-1] if blocks else None,
-            "mamba_padding_pct": pads[-1] if pads else None, "ssm_state_decision": ssm}
-
-
 def check_against_log(geo: EngineGeometry, facts: dict[str, Any]) -> str | None:
-    """None when the started engine's log agrees with ``geo``; else the one-line reason.
+    """None when the started engine's log (``gpu_servers.vllm_log_facts``) agrees with ``geo``; else
+    the one-line reason.
 
     A pure-attention engine logs no alignment (its block is vLLM's, or the one given): nothing to
     compare.  A hybrid whose log carries no alignment line kept its pre-alignment block, which
@@ -238,6 +216,3 @@ def check_against_log(geo: EngineGeometry, facts: dict[str, Any]) -> str | None:
                 f"the LMCache chunk for {geo.block_size} ({geo.why()})")
     return None
 
-
-def summarize(geos: Sequence[EngineGeometry]) -> list[str]:
-    return [g.why() for g in geos]

@@ -157,6 +157,10 @@ SUBPAGED_RE = re.compile(r"group (\d+): sub-paged, k=(\d+) \(tokens_per_block=(\
                          r".*\[lmcache-patchtool hybrid-fa\]")
 COMPRESSED_RE = re.compile(r"group (\d+): compressed \(tokens_per_block=(\d+), slots_per_block=(\d+)\)")
 VLLM_BLOCK_RE = re.compile(r"Setting attention block size to (\d+) tokens")
+VLLM_PADDING_RE = re.compile(r"Padding mamba page size by ([0-9.]+)%")
+# vllm/platforms/cpu.py's SSM state decision (a CPU without AVX-512 BF16 logs neither line)
+VLLM_SSM_RESET_RE = re.compile(r"Reset SSM cache type to float32 for accelerated GDN")
+VLLM_SSM_KEPT_RE = re.compile(r"Using (float16|bfloat16) SSM state storage for the CPU accelerated GDN backend")
 VLLM_BACKEND_RE = re.compile(r"Using (?:AttentionBackendEnum\.)?([A-Z_0-9]+) (?:attention )?backend")
 VLLM_EXTERNAL_CONNECTOR_RE = re.compile(r"Using external LMCacheMPConnector|Creating v1 connector with name: (\w+)")
 # the line an engine that refused to start leaves last: an exception, a refusal
@@ -231,8 +235,16 @@ def lmcache_refusal(text: str) -> str | None:
 
 
 def vllm_log_facts(text: str) -> dict[str, Any]:
+    """What a vLLM log says: the hybrid's aligned block, the Mamba padding, the SSM state decision
+    (``reset-to-float32``, ``kept-bfloat16``/``kept-float16``, or None: no line), the attention
+    backends and the connector lines."""
     text = _ANSI.sub("", text)
     blocks = [int(x) for x in VLLM_BLOCK_RE.findall(text)]
+    pads = [float(x) for x in VLLM_PADDING_RE.findall(text)]
+    kept = VLLM_SSM_KEPT_RE.findall(text)
+    ssm = "reset-to-float32" if VLLM_SSM_RESET_RE.search(text) else (f"kept-{kept[-1]}" if kept else None)
     backends = sorted(set(VLLM_BACKEND_RE.findall(text)))
-    return {"attention_block_size": blocks[-1] if blocks else None, "attention_backends_logged": backends,
+    return {"attention_block_size": blocks[-1] if blocks else None,
+            "mamba_padding_pct": pads[-1] if pads else None, "ssm_state_decision": ssm,
+            "attention_backends_logged": backends,
             "connector_lines": [m.group(0) for m in VLLM_EXTERNAL_CONNECTOR_RE.finditer(text)][:4]}
