@@ -99,6 +99,8 @@ def test_series_applies_with_zero_fuzz(version):
     # later no longer wait for the LOOKUP ack on the scheduler thread)
     if version in ("0.5.3", "0.5.4"):
         expected.append("14-lookup-wait-while-healthy.patch")
+    # revision 7/6/5 (every version): vLLM 0.34's scheduler output (no resumed_req_ids)
+    expected.append("15-vllm034-scheduler-output.patch")
     assert [p.name for p in series] == expected
     overlay = provision.overlay(version, series)  # GNU patch -p1 -F0; raises on fuzz/reject
     text = "".join((overlay / p).read_text() for p in (

@@ -66,8 +66,14 @@ ADDED_BY_13 = ["lmcache/integration/vllm/vllm_multi_process_adapter.py"]
 # 14-lookup-wait-while-healthy (revision 6, 0.5.3/0.5.4): the scheduler
 # adapter's reply waits.
 ADDED_BY_14 = ["lmcache/integration/vllm/vllm_multi_process_adapter.py"]
+# 15-vllm034-scheduler-output (revision 7 on 0.5.3/0.5.4, 6 on 0.5.5, 5 on
+# 0.5.6): the connector's reads of vLLM's scheduler output (and, 0.5.4+, the
+# request tracker's prompt copy in the metadata module).
+ADDED_BY_15 = {"0.5.3": ["lmcache/integration/vllm/lmcache_mp_connector.py"]}
+ADDED_BY_15_DEFAULT = ["lmcache/integration/vllm/lmcache_mp_connector.py",
+                       "lmcache/integration/vllm/lmcache_mp_metadata.py"]
 # the shipped hybrid-fa revision per version
-SHIPPED = {"0.5.3": 6, "0.5.4": 6, "0.5.5": 5, "0.5.6": 4}
+SHIPPED = {"0.5.3": 7, "0.5.4": 7, "0.5.5": 6, "0.5.6": 5}
 
 
 def shipped_manifest(version: str) -> dict:
@@ -104,6 +110,8 @@ def added_files(version: str, revision: int) -> list[str]:
             files |= set(ADDED_BY_13)
         elif name.startswith("14-"):
             files |= set(ADDED_BY_14)
+        elif name.startswith("15-"):
+            files |= set(ADDED_BY_15.get(version, ADDED_BY_15_DEFAULT))
         else:
             raise AssertionError(f"{version}: part {name} has no pinned file list here")
     return sorted(files)
@@ -231,16 +239,27 @@ def test_revision3_install_upgrades_with_apply(tmp_path, bare_envs, version):
 @pytest.mark.parametrize("version", ["0.5.5"] + (["0.5.3", "0.5.4"]
                                                   if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
 def test_revision4_install_upgrades_with_apply(tmp_path, bare_envs, version):
-    """4 -> shipped (13-scheduler-heartbeat, 0.5.3-0.5.5; 14-lookup-wait-while-healthy, 0.5.3/0.5.4):
-    only the adapter changes."""
+    """4 -> shipped (13-scheduler-heartbeat, 0.5.3-0.5.5; 14-lookup-wait-while-healthy, 0.5.3/0.5.4;
+    15-vllm034-scheduler-output): the adapter and the connector's scheduler-output reads change."""
     assert shipped_revision(version) == SHIPPED[version]
     res = upgrade_from(tmp_path, bare_envs, version, 4)
-    assert sorted(res["changed_files"]) == ADDED_BY_13
+    assert sorted(res["changed_files"]) == sorted(set(ADDED_BY_13) | set(ADDED_BY_15_DEFAULT))
 
 
 @pytest.mark.parametrize("version", ["0.5.4"] + (["0.5.3"] if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
 def test_revision5_install_upgrades_with_apply(tmp_path, bare_envs, version):
-    """5 -> 6 (14-lookup-wait-while-healthy, 0.5.3/0.5.4): only the adapter changes."""
-    assert shipped_revision(version) == 6
+    """5 -> shipped (14-lookup-wait-while-healthy, 0.5.3/0.5.4; 15-vllm034-scheduler-output)."""
+    assert shipped_revision(version) == SHIPPED[version]
     res = upgrade_from(tmp_path, bare_envs, version, 5)
-    assert sorted(res["changed_files"]) == ADDED_BY_14
+    assert sorted(res["changed_files"]) == sorted(
+        set(ADDED_BY_14) | set(ADDED_BY_15.get(version, ADDED_BY_15_DEFAULT)))
+
+
+@pytest.mark.parametrize("version", ["0.5.6"] + (["0.5.3", "0.5.4", "0.5.5"]
+                                                  if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
+def test_previous_revision_upgrades_to_serve_vllm_034(tmp_path, bare_envs, version):
+    """The revision shipped before part 15 -> shipped: only part 15's files change (the
+    connector, and on 0.5.4+ the metadata module); revert stays byte-exact (upgrade_from)."""
+    assert shipped_revision(version) == SHIPPED[version]
+    res = upgrade_from(tmp_path, bare_envs, version, SHIPPED[version] - 1)
+    assert sorted(res["changed_files"]) == sorted(ADDED_BY_15.get(version, ADDED_BY_15_DEFAULT))

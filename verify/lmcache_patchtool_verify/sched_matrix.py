@@ -191,9 +191,12 @@ def cell(version: str, vllm: str, build: str, results: list[dict[str, Any]],
     refused = [r for r in results if not r.get("constructed") and r.get("refuses_config")]
     broken = [r for r in results if not r.get("constructed") and not r.get("refuses_config")]
     reason = None
+    crashed = [r for r in results if r.get("crashed")]
     if not ran and broken:
         e = broken[0]
         reason = f"{e['error'].splitlines()[0][:300]} ({e.get('error_at', '?')})"
+        if e.get("crashed"):
+            reason = f"raises at step {e['crashed_at_step']}: {reason}"
     has_07 = any(p.name.startswith("07-") for p in patches or ())
     known_broken = version in FULL_PROMPT_RESTORE_BROKEN and not has_07
 
@@ -220,6 +223,8 @@ def cell(version: str, vllm: str, build: str, results: list[dict[str, Any]],
                        prefill_steps=r["prefill_steps"])
         else:
             row["error"] = r.get("error", "").splitlines()[0][:300] if r.get("error") else None
+            if r.get("crashed"):
+                row.update(crashed_at_step=r["crashed_at_step"], error_at=r.get("error_at"))
         rows.append(row)
     multi = [r for r in ran if _multi_block(r)]
     out = {
@@ -234,6 +239,8 @@ def cell(version: str, vllm: str, build: str, results: list[dict[str, Any]],
         "scenarios_run": [r["scenario"] for r in ran],
         "scenarios_refused": [r["scenario"] for r in refused],
         "scenarios_not_constructed": [r["scenario"] for r in broken],
+        # raised inside the scheduler's step (a running engine's core dies)
+        "scenarios_crashed": [r["scenario"] for r in crashed],
         "divergences": sum(r["divergences"] + r.get("restore_divergences", 0) for r in ran),
         "divergence_compared": sum(r["divergence_compared"] for r in ran),
         # part 08 on 0.30+: part 03's reconstruction, run alongside, vs vLLM's lists
@@ -258,8 +265,9 @@ def cell(version: str, vllm: str, build: str, results: list[dict[str, Any]],
         "checkpoint_writes": sum(r.get("checkpoint_writes", 0) for r in ran),
         "bug_applies": bool(multi),
         "pristine_fails_where_bug_applies": (
-            any(r["wrong_block_stores"] or r["wrong_state_hits"] or r["wrong_state_restores"]
-                for r in multi) if build == "pristine" and multi else None),
+            bool(crashed) or any(r["wrong_block_stores"] or r["wrong_state_hits"]
+                                 or r["wrong_state_restores"] for r in multi)
+            if build == "pristine" and (multi or crashed) else None),
         "scenarios": rows,
     }
     out["sim_passes"] = None if build == "pristine" else bool(

@@ -178,6 +178,8 @@ class FakeServer:
         fa = 0
         while fa + c < len(prefix_digests) and prefix_digests[fa + c] in self.fa_objects:
             fa += c
+        if not self.mamba_groups:  # pure attention: the FA objects are the whole chunk
+            return fa, self.fa_objects.get(prefix_digests[fa]) if fa else None
         if self.rules.objects != "separate":
             return fa, self.mamba_objects.get(prefix_digests[fa]) if fa else None
         for b in range(fa, 0, -c):

@@ -82,6 +82,14 @@ class Scenario:
     # in flight, evicted) or "server" (the modelled server A filled).
     followup_chunks: int = 0
     followup_lookup: str = "miss"
+    # A pure-attention model (one FA group, no Mamba layer): the case where
+    # the patched connector runs no block-id resync and reads vLLM's cached
+    # requests itself (--scenario attn; docs/scheduler-sim.md).
+    attention_only: bool = False
+    # vLLM's AsyncScheduler with the engine's overlap: step n+1 is scheduled
+    # (and the connector plans it) before step n's output is applied
+    # (--scenario async; no spec decode).
+    async_sched: bool = False
 
     @property
     def chunk(self) -> int:
@@ -126,6 +134,26 @@ def _scenarios() -> dict[str, Scenario]:
                  long_prefill=2000, full_only=True))
     add(Scenario("8192-c2-spec-p16384", 16384, chunk_blocks=2, batched=8192,
                  max_tokens=2 * N, num_spec=2, full_only=True))
+    # Pure attention (--scenario attn, any --block-size: 64, 128, 256 are the
+    # FlashInfer/FlashAttention blocks operators pass): one block per step,
+    # multi-block steps, chunk = 2 blocks, decode, preemption and resume, and
+    # a second request after a local prefix hit.
+    for s in (Scenario("attn-1blk-c1-8N", 8 * N),
+              Scenario("attn-2048-c1-8N", 8 * N, batched=2048),
+              Scenario("attn-2048-c2-8N", 8 * N, chunk_blocks=2, batched=2048),
+              Scenario("attn-1blk-c2-decode", 8 * N, chunk_blocks=2, max_tokens=2 * N + 8),
+              Scenario("attn-2048-c1-preempt", 8 * N, batched=2048, max_tokens=2 * N,
+                       preempt=True),
+              Scenario("attn-2req-1blk-c1-8N", 8 * N, followup_chunks=4)):
+        add(replace(s, attention_only=True, full_only=False))
+    # Async scheduling (--scenario async): multi-block steps, decode across
+    # chunk ends, preemption and resume, a second request after a local hit.
+    for s in (Scenario("async-2048-c1-8N", 8 * N, batched=2048, max_tokens=N + 8),
+              Scenario("async-1blk-c2-decode", 8 * N, chunk_blocks=2, max_tokens=2 * N + 8),
+              Scenario("async-2048-c1-preempt", 8 * N, batched=2048, max_tokens=2 * N,
+                       preempt=True),
+              Scenario("async-2req-1blk-c1-8N", 8 * N, followup_chunks=4)):
+        add(replace(s, async_sched=True))
     return out
 
 
@@ -199,6 +227,19 @@ def _stand_in(cls: type, name: str, given: set[str]) -> type:
     return type(name, (types.SimpleNamespace,), members)
 
 
+_NO_DEFAULT = object()
+
+
+def _plain_default(default: Any) -> Any:
+    """A field's plain default: a pydantic ``Field(default=...)`` (vLLM 0.34's
+    config dataclasses) as its value; ``_NO_DEFAULT`` for a factory (building
+    e.g. a ``DeviceConfig`` probes the platform, which a CPU machine fails)."""
+    if type(default).__name__ == "FieldInfo":
+        value = default.default
+        return _NO_DEFAULT if type(value).__name__ == "PydanticUndefinedType" else value
+    return default
+
+
 def _make(cls: type, name: str, **fields: Any) -> Any:
     """An instance of ``_stand_in(cls)``: ``fields``, plus the class's own
     plain field defaults (dataclass configs) for the fields not given."""
@@ -206,8 +247,9 @@ def _make(cls: type, name: str, **fields: Any) -> Any:
 
     defaults = {}
     if dataclasses.is_dataclass(cls):
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)
+        defaults = {f.name: _plain_default(f.default) for f in dataclasses.fields(cls)
                     if f.default is not dataclasses.MISSING and f.name not in fields}
+        defaults = {k: v for k, v in defaults.items() if v is not _NO_DEFAULT}
     return _stand_in(cls, name, set(fields) | set(defaults))(**defaults, **fields)
 
 
@@ -227,8 +269,10 @@ def build_vllm_config(sc: Scenario, num_blocks: int, max_model_len: int) -> Any:
     sched = SchedulerConfig(max_num_batched_tokens=sc.max_batched, max_num_seqs=8,
                             max_model_len=max_model_len, is_encoder_decoder=False,
                             enable_chunked_prefill=True,
-                            long_prefill_token_threshold=sc.long_prefill)
-    cache = CacheConfig(block_size=N, mamba_cache_mode="align", enable_prefix_caching=True)
+                            long_prefill_token_threshold=sc.long_prefill,
+                            **({"async_scheduling": True} if sc.async_sched else {}))
+    cache = CacheConfig(block_size=N, mamba_cache_mode="none" if sc.attention_only else "align",
+                        enable_prefix_caching=True)
     cache.num_gpu_blocks = num_blocks
     for f in ("hash_block_size", "cache_hit_alignment_tokens", "mamba_block_size"):
         if hasattr(cache, f):  # set by the platform/model on a real engine (0.30+)
@@ -249,7 +293,10 @@ def build_vllm_config(sc: Scenario, num_blocks: int, max_model_len: int) -> Any:
         VllmConfig, "VllmConfigStandIn",
         scheduler_config=sched, cache_config=cache, speculative_config=spec,
         kv_transfer_config=ktc, lora_config=None, kv_events_config=None,
-        ec_transfer_config=None, diffusion_config=None, use_v2_model_runner=False,
+        ec_transfer_config=None, diffusion_config=None,
+        # vLLM <= 0.33: the V1 runner (resumed requests come back as cached
+        # ones with resumed_req_ids); 0.34 removed the switch and the V1 runner.
+        **({"use_v2_model_runner": False} if hasattr(VllmConfig, "use_v2_model_runner") else {}),
         aux_output_config=types.SimpleNamespace(enabled=False),
         observability_config=types.SimpleNamespace(
             kv_cache_metrics=False, enable_mfu_metrics=False, kv_cache_metrics_sample=0.0,
@@ -260,19 +307,31 @@ def build_vllm_config(sc: Scenario, num_blocks: int, max_model_len: int) -> Any:
             data_parallel_size=1, data_parallel_index=0, decode_context_parallel_size=1,
             prefill_context_parallel_size=1, distributed_executor_backend=None),
         model_config=types.SimpleNamespace(
-            model="sched-sim", use_mla=False, is_hybrid=True, is_encoder_decoder=False,
+            model="sched-sim", use_mla=False, is_hybrid=not sc.attention_only,
+            is_encoder_decoder=False,
             is_diffusion=False, is_multimodal_model=False, max_model_len=max_model_len,
             enable_return_routed_experts=False, uses_mrope=False, return_sampling_mask=False,
             runner_type="generate", supports_multimodal_inputs=False, multimodal_config=None),
     )
 
 
-def build_kv_cache_config(num_blocks: int, num_spec: int, checkpoint_blocks: bool = False):
+def _has_field(cls: type, name: str) -> bool:
+    """``cls`` (a dataclass, e.g. vLLM's VllmConfig) declares field ``name``."""
+    import dataclasses  # noqa: PLC0415
+
+    return dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}
+
+
+def build_kv_cache_config(num_blocks: int, num_spec: int, checkpoint_blocks: bool = False,
+                          attention_only: bool = False):
     import torch  # noqa: PLC0415
     from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
         FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec)
 
     fa = FullAttentionSpec(block_size=N, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    if attention_only:
+        return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec(["attn0"], fa)])
     # vLLM 0.33+ Qwen GDN on FlashInfer: one prefill checkpoint block, its
     # alignment the prefix-cache grid (get_mamba_prefill_checkpoint_grid:
     # the Mamba block size when prefix_match_unit is unset).
@@ -407,6 +466,18 @@ class Divergence:
                 "divergence_examples": self.examples}
 
 
+def resumed_cached(so: Any) -> Any:
+    """Requests resumed inside ``scheduled_cached_reqs`` (vLLM <= 0.33 with the
+    V1 runner); vLLM 0.34 has no such field: it re-sends them as new."""
+    return getattr(so.scheduled_cached_reqs, "resumed_req_ids", None) or ()
+
+
+def _index_field(cls: type, req_ids: list[str]) -> dict[str, Any]:
+    """``req_id_to_index`` where ``ModelRunnerOutput`` still has it (vLLM <= 0.33)."""
+    return ({"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+            if _has_field(cls, "req_id_to_index") else {})
+
+
 class Sim:
     def __init__(self, sc: Scenario, objects: str = "auto", server: FakeServer | None = None,
                  checkpoint_blocks: str = "auto"):
@@ -418,13 +489,22 @@ class Sim:
             get_request_block_hasher, init_none_hash)
         from vllm.v1.core.sched.scheduler import Scheduler  # noqa: PLC0415
 
+        if sc.async_sched:
+            if sc.num_spec:
+                raise SystemExit("sched_sim: async scheduling with spec decode is not modelled")
+            from vllm.v1.core.sched.async_scheduler import (  # noqa: PLC0415
+                AsyncScheduler as Scheduler)
+
         init_none_hash(sha256)
         self.sc = sc
         self.max_model_len = sc.prompt + sc.max_tokens + 4 * N
         need = cdiv(self.max_model_len, N) + 2 * (2 + sc.num_spec) + 4
         # Preemption: a pool with room for either request alone, not for both
         # at once in decode (the second one, B, is preempted and resumes).
-        num_blocks = cdiv(sc.prompt + sc.max_tokens, N) + PREEMPT_SLACK_BLOCKS \
+        # Pure attention (one group) needs a tighter pool: B (4N prompt)
+        # starts beside A, and their decodes outgrow it.
+        slack = 4 if sc.attention_only else PREEMPT_SLACK_BLOCKS
+        num_blocks = cdiv(sc.prompt + sc.max_tokens, N) + slack \
             if sc.preempt else 2 * need + 8
         self.restarted = server is not None
         self.mpc = _install_connector(sc.chunk, self._lookup if server is not None else None)
@@ -438,14 +518,16 @@ class Sim:
         # 03's reconstruction alongside and count where it disagrees with
         # vLLM's lists (its opt-in agreement check; ignored by other builds).
         os.environ.setdefault("LMCACHE_PATCHTOOL_RESYNC_CHECK", "count")
-        kvc = build_kv_cache_config(num_blocks, sc.num_spec, self.features["checkpoint_blocks"])
+        kvc = build_kv_cache_config(num_blocks, sc.num_spec,
+                                    self.features["checkpoint_blocks"] and not sc.attention_only,
+                                    sc.attention_only)
         self.scheduler = Scheduler(cfg, kvc, _structured_output_manager(cfg),
                                    block_size=N, hash_block_size=N)
         self.conn = self.scheduler.connector
         self.divergence = Divergence()
         self._wrap_build_meta()
         self.hasher = get_request_block_hasher(N, sha256)
-        self.mamba_groups, self.fa_groups = [0, 1], [2]
+        self.mamba_groups, self.fa_groups = ([], [0]) if sc.attention_only else ([0, 1], [2])
         self.truth = Truth(N, self.mamba_groups, self.fa_groups, sc.num_spec,
                            checkpoints=self._checkpoint_fn(cfg, kvc))
         self.server = server or FakeServer(N, sc.chunk, self.mamba_groups, self.fa_groups,
@@ -456,6 +538,9 @@ class Sim:
         self._accept_i = 0
         self._sending: set[str] = set()
         self.first_computed: dict[str, int] = {}  # num_computed_tokens when first scheduled
+        # Async: the step whose output the scheduler has not seen yet
+        # (scheduler output, model runner output, its requests).
+        self._deferred: tuple[Any, Any, list[str]] | None = None
         self.retrieves: list[tuple[str, int, int]] = []
 
     def _checkpoint_fn(self, cfg: Any, kvc: Any) -> Callable[[int, int], tuple[int, int]] | None:
@@ -463,6 +548,8 @@ class Sim:
         blocks on): vLLM's own ``compute_mamba_prefill_checkpoints`` with the
         arguments ``MambaPrefillCheckpointBuilder.build`` passes, for one row
         ``(seq_len, query_len)`` -> ``(position, block column)``, (0, -1): none."""
+        if not self.mamba_groups:
+            return None
         spec = kvc.kv_cache_groups[self.mamba_groups[0]].kv_cache_spec
         if not getattr(spec, "num_prefill_checkpoint_blocks", 0):
             return None
@@ -596,6 +683,8 @@ class Sim:
             DraftTokenIds, KVConnectorOutput, ModelRunnerOutput)
 
         so = self.scheduler.schedule()
+        # Async: the engine applies step n's output only after scheduling n+1.
+        self._apply_deferred()
         # States made true by accepted drafts last step: still there now that
         # the connector could plan their store?
         self.truth.confirm_pending(self._sched_lists, self.digest)
@@ -603,8 +692,11 @@ class Sim:
         if so.preempted_req_ids:
             self.phase.events.append(f"step {self.phase.steps}: preempt "
                                      f"{sorted(so.preempted_req_ids)}")
-        for r in so.scheduled_cached_reqs.resumed_req_ids:
+        for r in resumed_cached(so):
             self.phase.events.append(f"step {self.phase.steps}: resume {r}")
+        for nr in so.scheduled_new_reqs:  # vLLM 0.34 (and 0.33's V2 runner) resume as new
+            if nr.req_id in self.first_computed:
+                self.phase.events.append(f"step {self.phase.steps}: resume {nr.req_id} (as new)")
         # The worker reports the finished requests whose stores it completed
         # (all of them: stores are read at the end of their step here), so
         # blocks the connector asked to keep (delay_free_blocks) are freed.
@@ -634,7 +726,7 @@ class Sim:
             self.first_computed.setdefault(nr.req_id, nr.num_computed_tokens)
         if so.total_num_scheduled_tokens == 0:
             self.scheduler.update_from_output(so, ModelRunnerOutput(
-                req_ids=[], req_id_to_index={}, kv_connector_output=kv_out))
+                req_ids=[], kv_connector_output=kv_out, **_index_field(ModelRunnerOutput, [])))
             return False
         self.truth.update_tables(so)
         inputs: list[StepInput] = []
@@ -668,16 +760,16 @@ class Sim:
                 self.phase.drafts_accepted[ok] = self.phase.drafts_accepted.get(ok, 0) + 1
             inputs.append(StepInput(rid, c, s, drafts, ok))
             sampled.append(toks)
-        mro = ModelRunnerOutput(req_ids=req_ids,
-                                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        mro = ModelRunnerOutput(req_ids=req_ids, **_index_field(ModelRunnerOutput, req_ids),
                                 sampled_token_ids=sampled, kv_connector_output=kv_out)
         before = {rid: self.requests[rid].num_tokens for rid in req_ids}
-        self.scheduler.update_from_output(so, mro)
-        self._sending = {rid for rid in req_ids if rid in self.scheduler.requests
-                         and self.scheduler.requests[rid].is_finished()}
+        if self.sc.async_sched:
+            self._deferred = (so, mro, req_ids)
+        else:
+            self._update(so, mro, req_ids)
         for rid, toks, st in zip(req_ids, sampled, inputs):
             self._out_pos[rid] += len(toks)
-            if st.accepted is not None:
+            if st.accepted is not None and not self.sc.async_sched:
                 # A stop (max_tokens) truncates the sampled tokens: drafts past
                 # the kept ones are not committed.
                 kept = self.requests[rid].num_tokens - before[rid]
@@ -698,6 +790,16 @@ class Sim:
                        for r in live]))
         return True
 
+    def _update(self, so: Any, mro: Any, req_ids: list[str]) -> None:
+        self.scheduler.update_from_output(so, mro)
+        self._sending = {rid for rid in req_ids if rid in self.scheduler.requests
+                         and self.scheduler.requests[rid].is_finished()}
+
+    def _apply_deferred(self) -> None:
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            self._update(*deferred)
+
     def _sched_lists(self, rid: str) -> list[list[int]] | None:
         req = self.scheduler.requests.get(rid)
         if req is None or req.is_finished() or rid not in self.scheduler.kv_cache_manager \
@@ -707,7 +809,8 @@ class Sim:
 
     def run(self, limit: int = 20_000) -> None:
         for _ in range(limit):
-            if not self.scheduler.get_num_unfinished_requests() and not self._sending:
+            if not self.scheduler.get_num_unfinished_requests() and not self._sending \
+                    and self._deferred is None:
                 self.step()  # one more schedule(): the connector sees the finish
                 return
             self.step()
@@ -807,11 +910,20 @@ def run_scenario(sc: Scenario, objects: str = "auto",
                 "error": f"{type(exc).__name__}: {exc}",
                 "error_at": f"{where.filename.rsplit('/', 3)[-1]}:{where.lineno}"}
     first = list(range(1000, 1000 + sc.prompt))
-    sim.add("A", first, sc.max_tokens)
-    if sc.preempt:
-        sim.add("B", list(range(500_000, 500_000 + 4 * N)), 6 * N)
-    sim.run()
-    two = run_followup(sim, first) if sc.followup_chunks else None
+    try:
+        sim.add("A", first, sc.max_tokens)
+        if sc.preempt:
+            sim.add("B", list(range(500_000, 500_000 + 4 * N)), 6 * N)
+        sim.run()
+        two = run_followup(sim, first) if sc.followup_chunks else None
+    except Exception as exc:  # noqa: BLE001  raised inside vLLM's step: the engine core dies
+        import traceback  # noqa: PLC0415
+
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return {**base, "constructed": False, "refuses_config": False, "crashed": True,
+                "crashed_at_step": sim.phase.steps + 1,  # the schedule() that raised
+                "error": f"{type(exc).__name__}: {exc}",
+                "error_at": f"{where.filename.rsplit('/', 3)[-1]}:{where.lineno}"}
     res = {**base, "constructed": True, "patched": sim.patched, "steps": sim.phase.steps,
            "features": sim.features, "block_copies": sim.phase.block_copies,
            "checkpoint_writes": sim.truth.checkpoint_writes,
@@ -870,6 +982,8 @@ def run_followup(sim: Sim, first: list[int]) -> dict[str, Any]:
 
     def usable(key: int) -> bool:
         fa, state = sim.server.fa_objects.get(key), sim.server.mamba_objects.get(key)
+        if not sim.mamba_groups:  # pure attention: the KV is the whole chunk
+            return bool(fa and fa.fa_ok)
         return bool(fa and fa.fa_ok and state and state.mamba_end_ok)
 
     missing = sorted(v for key, v in ideal.items() if not usable(key))
@@ -936,7 +1050,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", action="append", default=[],
                     help="scenario name (repeatable); 'ci' = the CI subset, 'all' = every "
-                         "one, 'two' = the two-request ones")
+                         "hybrid one, 'two' = the two-request ones, 'attn' = "
+                         "the pure-attention ones, 'async' = the async-scheduling ones")
     ap.add_argument("--json", action="store_true", help="print results as JSON")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     ap.add_argument("--out", help="also write the JSON results to this file")
@@ -967,13 +1082,18 @@ def main(argv: list[str] | None = None) -> int:
                    else N_FLASHINFER_GDN if features["checkpoint_blocks"] else N)
     print(f"vLLM {features['vllm']}: N = {N}, features {features}", file=sys.stderr)
     names: list[str] = []
+    hybrid = [s for s in SCENARIOS.values() if not (s.attention_only or s.async_sched)]
     for n in args.scenario or ["ci"]:
         if n == "ci":
-            names += [s.name for s in SCENARIOS.values() if not s.full_only]
+            names += [s.name for s in hybrid if not s.full_only]
         elif n == "all":
-            names += list(SCENARIOS)
+            names += [s.name for s in hybrid]
         elif n == "two":
-            names += [s.name for s in SCENARIOS.values() if s.followup_chunks]
+            names += [s.name for s in hybrid if s.followup_chunks]
+        elif n == "async":
+            names += [s.name for s in SCENARIOS.values() if s.async_sched]
+        elif n == "attn":
+            names += [s.name for s in SCENARIOS.values() if s.attention_only]
         elif n in SCENARIOS:
             names.append(n)
         else:

@@ -142,15 +142,16 @@ class Truth:
             self.tables.pop(rid, None)
         # cleanup_mamba_state_idx: finished, preempted and resumed requests.
         cached = so.scheduled_cached_reqs
-        for rid in (set(so.finished_req_ids) | set(so.preempted_req_ids or ())
-                    | set(cached.resumed_req_ids)):
+        # vLLM 0.34 has no resumed_req_ids: a resumed request is a new one.
+        resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+        for rid in (set(so.finished_req_ids) | set(so.preempted_req_ids or ()) | resumed):
             self.state_idx.pop(rid, None)
         for nr in so.scheduled_new_reqs:
             self.tables[nr.req_id] = [list(g) for g in nr.block_ids]
             self.num_accepted[nr.req_id] = 1
         for i, rid in enumerate(cached.req_ids):
             new = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
+            if rid in resumed:
                 self.tables[rid] = [list(g) for g in new]  # a full replacement
                 self.num_accepted[rid] = 1
             elif new is not None:
@@ -164,8 +165,37 @@ class Truth:
         the committed-prefix digest (tokens appended already); ``sched_lists``
         gives vLLM's scheduler-side lists (None once the request is gone)."""
         for st in steps:
+            if not self.mamba_groups:
+                self._judge_attention_restore(st, digest)
             self._fa_writes(st)
+            if not self.mamba_groups:
+                self._materialize_attention(st, sched_lists(st.rid))
             self._mamba_writes(st, digest, sched_lists(st.rid))
+
+    # ---- pure attention (no Mamba group) ------------------------------------
+    def _judge_attention_restore(self, st: StepInput, digest: Callable[[str, int], int]) -> None:
+        """The first step after an LMCache load of a pure-attention request:
+        the restore is right iff every block of the computed prefix holds that
+        prefix's KV (there is no state to judge)."""
+        if st.rid not in self.loaded or st.rid in self.restored:
+            return
+        n = self.block_size
+        self.restored[st.rid] = all(
+            self.fa_digest(self._block(st.rid, g, slot), digest) == digest(st.rid, (slot + 1) * n)
+            for g in self.fa_groups for slot in range(st.computed // n))
+
+    def _materialize_attention(self, st: StepInput, lists: list[list[int]] | None) -> None:
+        """Pure attention: a prefix is storable (the ideal) once its last block
+        is complete in a block vLLM's list names (no SSM state to wait for)."""
+        n = self.block_size
+        for g in self.fa_groups:
+            for slot in range(len(self.tables[st.rid][g])):
+                b = self._block(st.rid, g, slot)
+                c = self.fa.get(b)
+                listed = lists is None or (slot < len(lists[g]) and lists[g][slot] == b)
+                if c is not None and c.rid == st.rid and c.slot == slot \
+                        and c.hi >= (slot + 1) * n and listed:
+                    self.materialized.setdefault(st.rid, set()).add((slot + 1) * n)
 
     def _block(self, rid: str, g: int, slot: int) -> int:
         table = self.tables[rid][g]
