@@ -61,11 +61,11 @@ def sched_run(tmp_path_factory) -> Callable[..., dict[str, dict[str, Any]]]:
     layer (scripts/provision_vllm.py), with that vLLM's own scheduler features."""
     import provision_vllm  # scripts/ is on sys.path (tests/conftest.py)
 
-    cache: dict[tuple[str, str, str, str], dict[str, dict[str, Any]]] = {}
+    cache: dict[tuple[str, str, str, str, int | None], dict[str, dict[str, Any]]] = {}
 
     def run(version: str, build: str, scenarios: str = "ci",
-            vllm: str = "0.27.1") -> dict[str, dict[str, Any]]:
-        key = (version, build, scenarios, vllm)
+            vllm: str = "0.27.1", block_size: int | None = None) -> dict[str, dict[str, Any]]:
+        key = (version, build, scenarios, vllm, block_size)
         if key in cache:
             return cache[key]
         patches = tracked_series(version) if build in ("patched", "r1", "r3") else None
@@ -79,9 +79,12 @@ def sched_run(tmp_path_factory) -> Callable[..., dict[str, dict[str, Any]]]:
         stamp = json.loads((layer / provision.STAMP).read_text())
         python = Path(stamp.get("runtime_env") or provision.runtime_env(version)) / "bin" / "python"
         out = tmp_path_factory.mktemp("sched") / f"{version}-{build}-{vllm}.json"
+        if block_size is not None:  # e.g. pure attention at the block an operator passes
+            scenarios += f",--block-size={block_size}"
         env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{VERIFY}",
                    LMCACHE_DISABLE_BANNER="1")
-        args = [a for s in scenarios.split(",") for a in ("--scenario", s)]
+        args = [a for s in scenarios.split(",")
+                for a in ((s,) if s.startswith("--") else ("--scenario", s))]
         proc = subprocess.run([str(python), *SIM, *args, "--version", version,
                                "--build", build, "--out", str(out)],
                               env=env, capture_output=True, text=True, timeout=1800)

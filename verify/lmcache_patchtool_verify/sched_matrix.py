@@ -208,6 +208,8 @@ def cell(version: str, vllm: str, build: str, results: list[dict[str, Any]],
     sec = [s for r in ran for s in r["second"].values()]
     hit = sum(s["hit_tokens"] for s in sec)
     ideal = sum(s["ideal_tokens"] for s in sec)
+    # The two-request scenarios: what LMCache holds after A then B, vs the ideal.
+    two = [r["two_request"] for r in ran if r.get("two_request")]
     rows = []
     for r in results:
         row = {"name": r["scenario"], "constructed": bool(r.get("constructed"))}
@@ -262,6 +264,9 @@ def cell(version: str, vllm: str, build: str, results: list[dict[str, Any]],
         "restore_errors": sum(r["restore_errors"] for r in ran),
         "hit_tokens": hit, "ideal_tokens": ideal,
         "hit_share": round(hit / ideal, 4) if ideal else None,
+        "followup_stored_tokens": sum(t["stored_tokens"] for t in two),
+        "followup_ideal_tokens": sum(t["ideal_tokens"] for t in two),
+        "resumes": sum(r.get("resumes", 0) for r in ran),
         "checkpoint_writes": sum(r.get("checkpoint_writes", 0) for r in ran),
         "bug_applies": bool(multi),
         "pristine_fails_where_bug_applies": (
@@ -277,6 +282,47 @@ def cell(version: str, vllm: str, build: str, results: list[dict[str, Any]],
         and out["restore_errors"] == 0
         and out["wrong_state_restores"] == out["wrong_state_restores_known"])
     return out
+
+
+# The extended sets (docs/scheduler-sim.md, "vLLM 0.34"): async scheduling on
+# the hybrid at the run's N, and pure attention at the blocks operators pass
+# to FlashInfer / FlashAttention.  Each is one more sched_sim process per
+# (LMCache, vLLM, build), summarised like a cell under ``extended``.
+ATTENTION_BLOCKS = (64, 128, 256)
+MIN_SHARE = 0.95  # stored or hit tokens against the ideal, per extended set
+
+
+def extended_sets() -> list[tuple[str, list[str], list[str]]]:
+    """(name, scenarios, extra sched_sim arguments) of each extended set."""
+    return [("async", ["async"], [])] + [
+        (f"attention-{n}", ["attn"], ["--block-size", str(n)]) for n in ATTENTION_BLOCKS]
+
+
+def extended_verdict(sub: dict[str, Any], build: str) -> tuple[bool | None, bool | None]:
+    """(passes, useful) of one extended set.  passes: the sim passes (0 divergences, 0 wrong
+    stores or states, no error) and no scenario raised; useful: what it holds reaches MIN_SHARE of
+    the ideal (the second requests' hits and, for the two-request scenarios, what LMCache holds
+    after B).  Pristine: (None, None).  The support table reads ``passes`` (correctness, as for
+    every vLLM); usefulness is reported beside it (0.5.3 refuses some chunks by design)."""
+    if build == "pristine":
+        return None, None
+    shares = [(sub["hit_tokens"], sub["ideal_tokens"]),
+              (sub["followup_stored_tokens"], sub["followup_ideal_tokens"])]
+    useful = all(ideal == 0 or got >= MIN_SHARE * ideal for got, ideal in shares)
+    return bool(sub["sim_passes"] and not sub["scenarios_crashed"]), useful
+
+
+def finish_extended(c: dict[str, Any]) -> None:
+    """Verdicts of a cell's extended sets, and the cell's summary of them."""
+    build = c["build"]
+    for sub in c["extended"].values():
+        sub["passes"], sub["useful"] = extended_verdict(sub, build)
+    c["extended_passes"] = None if build == "pristine" else all(
+        x["passes"] for x in c["extended"].values())
+    c["extended_useful"] = None if build == "pristine" else all(
+        x["useful"] for x in c["extended"].values())
+    # pristine: the sets in which it raises inside the scheduler's step
+    c["extended_crashes"] = sorted(k for k, x in c["extended"].items() if x["scenarios_crashed"])
 
 
 def fill_pristine_verdict(cells: list[dict[str, Any]]) -> None:
@@ -333,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the raw per-scenario JSON results here")
     ap.add_argument("--merge", action="store_true",
                     help="with --json FILE: replace only the cells run now in FILE, keep the others")
+    ap.add_argument("--extended", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the extended sets per cell: async scheduling, pure attention "
+                         f"at blocks {', '.join(map(str, ATTENTION_BLOCKS))} (default on)")
     ap.add_argument("--from-evidence", metavar="FILE",
                     help="print the cell table of an evidence file (runs nothing)")
     args = ap.parse_args(argv)
@@ -357,6 +406,13 @@ def main(argv: list[str] | None = None) -> int:
                     r["vllm"] = vllm
                 results += res
                 c = cell(version, vllm, build, res, stamp, series(version, build))
+                if args.extended:
+                    c["extended"] = {}
+                    for name, scen, more in extended_sets():
+                        sub_res = run(version, build, scen, args.objects, vllm, extra + more)
+                        c["extended"][name] = cell(version, vllm, build, sub_res, stamp,
+                                                   series(version, build))
+                    finish_extended(c)
                 c["seconds"] = round(time.monotonic() - t0, 1)
                 cells.append(c)
     if args.merge and args.json not in (None, "-") and Path(args.json).exists():

@@ -724,11 +724,14 @@ class Sim:
                   if sending or recving else None)
         for nr in so.scheduled_new_reqs:
             self.first_computed.setdefault(nr.req_id, nr.num_computed_tokens)
+        # The worker's _update_states runs before its empty-step return: a
+        # step that schedules nothing still drops preempted and finished
+        # requests' tables and running-state slots.
+        self.truth.update_tables(so)
         if so.total_num_scheduled_tokens == 0:
             self.scheduler.update_from_output(so, ModelRunnerOutput(
                 req_ids=[], kv_connector_output=kv_out, **_index_field(ModelRunnerOutput, [])))
             return False
-        self.truth.update_tables(so)
         inputs: list[StepInput] = []
         sampled: list[list[int]] = []
         req_ids = list(so.num_scheduled_tokens)
@@ -934,7 +937,9 @@ def run_scenario(sc: Scenario, objects: str = "auto",
            "store_ops": sim.phase.store_ops, **sim.server.summary(),
            "refused_chunks": sim.phase.refused, "refusals": sim.phase.refusals[:20],
            "prefill_steps": sim.phase.prefill_steps.get("A", []),
-           "events": sim.phase.events, "spec_steps": sim.phase.spec_steps,
+           "events": sim.phase.events[:40], "num_events": len(sim.phase.events),
+           "resumes": sum(" resume " in e for e in sim.phase.events),
+           "spec_steps": sim.phase.spec_steps,
            "drafts_accepted": sim.phase.drafts_accepted,
            "model_inconsistencies": sim.truth.inconsistencies[:20],
            "num_model_inconsistencies": len(sim.truth.inconsistencies),
