@@ -71,6 +71,7 @@ from lmcache_patchtool_verify import engine_device as ed  # noqa: E402
 from lmcache_patchtool_verify import engine_geometry as eg  # noqa: E402
 from lmcache_patchtool_verify import engine_scenarios as es  # noqa: E402
 from lmcache_patchtool_verify import model_head  # noqa: E402 - stdlib (the head check)
+from lmcache_patchtool_verify import kv_cache_access  # noqa: E402 - stdlib (vLLM 0.34 on CUDA)
 from lmcache_patchtool_verify import procs  # noqa: E402
 
 SCHEMA = "lmcache-patchtool/engine-gate/1"
@@ -314,7 +315,9 @@ class GateRun:
             dev, self.device_why = ed.detect(cfg.target_python or sys.executable)
         else:
             dev, self.device_why = cfg.device, "given (--device)"
-        self.profile = ed.profile(dev)
+        # a GPU's default geometry follows the target's vLLM (0.34+: 576/64); CPU asks the engine
+        self.target_vllm = ed.target_vllm(cfg.target_python or sys.executable) if dev == "gpu" else None
+        self.profile = ed.profile(dev, self.target_vllm)
         cfg.apply_profile(self.profile)
         self.control = self._control_prefixes()
         self.table = transitions(self.control is not None)
@@ -488,6 +491,7 @@ class GateRun:
         self.note("PREFLIGHT", "native extensions: " + (", ".join(
             f"{k} {'loaded' if m.get('loaded') else 'NOT loaded'}"
             for k, m in (native.get("modules") or {}).items()) or "not checked"))
+        self._extensible_kv_cache()
         if not self.profile.check_gpu_memory:
             self.note("PREFLIGHT", f"{self.profile.name}: no GPU memory to check between restarts")
         elif c.nvidia_smi == "none":
@@ -1027,6 +1031,20 @@ class GateRun:
         self._start(f"lmcache-{role}", role, argv,
                     procs.http_probe(f"http://{c.host}:{self.ports['lmcache_http']}/healthcheck"),
                     c.lmcache_start_timeout)
+
+    def _extensible_kv_cache(self) -> None:
+        """vLLM >= 0.34 on CUDA: its default extensible KV cache cannot be shared by LMCache's
+        CUDA-IPC export while kv_connector_module_path is set (kv_cache_access.py): add
+        --no-enable-extensible-kv-cache, refuse an explicit --enable-extensible-kv-cache."""
+        target = self.environment.get("target") or {}
+        vllm = (target.get("packages") or {}).get("vllm")
+        try:
+            d = kv_cache_access.decide(vllm, self.profile.name, self.cfg.vllm_extra_args)
+        except kv_cache_access.ExtensibleKvCacheRefused as exc:
+            raise GateRefused(str(exc)) from None
+        self.cfg.vllm_extra_args = list(self.cfg.vllm_extra_args) + list(d.add_args)
+        if d.note:
+            self.note("PREFLIGHT", d.note)
 
     def _start_vllm(self, role: str, prefix: list[str], *, kv: bool) -> None:
         c = self.cfg

@@ -27,8 +27,9 @@ here.  The two profiles:
 from __future__ import annotations
 
 import json
+import re
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,12 @@ CPU = DeviceProfile(name="cpu", block_size=None, page_tokens=32, attention_backe
                     # bit-identical logprobs, 2 threads with it another answer.  Off, the gate's
                     # tolerance 0 compares the same reduction order in every arm.
                     env={"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_ATTN_SPLIT_KV": "0"})
+# vLLM 0.34 on a GPU: its default block 64 (was 16) makes the Qwen3.5-0.8B-like hybrid's block
+# 576 = 9 FlashInfer pages of 64 under every GDN prefill backend (Triton's 544/32 is gone unless
+# --block-size 16 is passed).  Computed with vLLM 0.34.0's own update_block_size_for_backend /
+# select_common_block_size (docs/design/vllm-034.md, "Geometry"), not yet run on a GPU.
+GPU_034 = replace(GPU, block_size=576, page_tokens=64)
+GPU_034_SINCE = (0, 34)
 PROFILES = {"gpu": GPU, "cpu": CPU}
 
 _DETECT = r"""
@@ -94,7 +101,12 @@ def has(n):
         md.version(n); return True
     except Exception:
         return False
-print(json.dumps({"vllm_cpu": has("vllm-cpu"), "vllm": has("vllm")}))
+def version(n):
+    try:
+        return md.version(n)
+    except Exception:
+        return None
+print(json.dumps({"vllm_cpu": has("vllm-cpu"), "vllm": has("vllm"), "vllm_version": version("vllm")}))
 """
 
 
@@ -113,7 +125,25 @@ def detect(python: str, timeout: float = 60.0) -> tuple[str, str]:
     return "gpu", f"{python} has no vLLM distribution; assuming a GPU build (the servers may come from --vllm-cmd)"
 
 
-def profile(name: str) -> DeviceProfile:
+def target_vllm(python: str, timeout: float = 60.0) -> str | None:
+    """The vLLM version of ``python``'s venv (package metadata only), or None."""
+    try:
+        res = subprocess.run([python, "-c", _DETECT], capture_output=True, text=True, timeout=timeout)
+        return json.loads(res.stdout.strip().splitlines()[-1]).get("vllm_version")
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
+def _release(version: str | None) -> tuple[int, int] | None:
+    m = re.match(r"\s*v?(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def profile(name: str, vllm_version: str | None = None) -> DeviceProfile:
+    """The device's profile; on a GPU, the default geometry of the target's vLLM (0.34+: 576/64)."""
     if name not in PROFILES:
         raise ValueError(f"unknown device {name!r} ({' | '.join(DEVICES)} | auto)")
+    rel = _release(vllm_version)
+    if name == "gpu" and rel is not None and rel >= GPU_034_SINCE:
+        return GPU_034
     return PROFILES[name]
