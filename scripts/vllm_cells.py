@@ -62,6 +62,12 @@ GPU_RESULTS = REPO / "verify" / "results"
 # * 0.33+: additionally align mode rounds the block to 64 with the FlashInfer
 #   GDN prefill backend: 576/64 (k=9), 320/64 at TP=4 (k=5).
 _PRESETS_BY_VLLM: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # 0.34: the default block 64 makes N = 576 under every GDN prefill backend
+    # (0.33's Triton GDN gave 544, a qwen35-0.8b geometry 0.33 never
+    # registered through the v030 view); the registered views and the
+    # logical -> kernel page mapping are 0.33's (docs/design/vllm-034.md).
+    ("0.34", ("qwen35-bs576-v030", "qwen35-tp4-bs320-v030", "qwen35-fa4-bs640-v030",
+              "control-k1-v030", "pure-attn-bs128")),
     ("0.33", ("qwen35-bs576-v030", "qwen35-tp4-bs320-v030", "qwen35-fa4-bs640-v030",
               "control-k1-v030", "pure-attn-bs128")),
     ("0.30", ("qwen35-fa4-bs640-v030", "control-k1-v030", "pure-attn-bs128")),
@@ -197,12 +203,28 @@ def _sched_check(rows: dict, lm: str, vllm: str, patches_root: Path) -> str | No
                       ("wrong_state_hits", "wrong-state hits")):
         if patched.get(key, 1):
             return f"scheduler simulation: {patched.get(key)} {what} patched"
+    # vLLM 0.34 changed what the scheduler sends (no resumed_req_ids; resumed
+    # requests re-sent as new): from it on, the extended sets (async scheduling,
+    # pure attention at blocks 64/128/256; sched_matrix.extended_sets) must pass
+    # too, and a pristine build that raises inside the scheduler's step shows the bug.
+    if Version(vllm) >= Version(EXTENDED_REQUIRED_SINCE):
+        ext = patched.get("extended")
+        if not ext:
+            return "scheduler simulation: the extended sets (async, pure attention) were not run"
+        failing = sorted(k for k, x in ext.items() if not x.get("passes"))
+        if failing:
+            x = ext[failing[0]]
+            return (f"scheduler simulation: the {failing[0]} set fails patched "
+                    f"({x.get('not_constructed_reason') or 'share or errors'})"[:200])
     # bug_shows: True/False where a scenario the bug applies to ran; None where
     # none did (0.5.3 refuses multi-block prefill steps): then the geometry
     # evidence alone must tell pristine from patched.
     if pristine is not None and pristine.get("bug_shows") is False:
         return "scheduler simulation: pristine shows no bug where it applies"
     return None
+
+
+EXTENDED_REQUIRED_SINCE = "0.34.0"
 
 
 def _gpu_verified(lm: str, vllm: str, results: Path) -> bool:

@@ -215,3 +215,50 @@ def test_render_footnotes_and_manifest_check(ev, tmp_path):
     text = support_table._render_cells([OLD, NEW], cells)
     assert f"| {LM} | CPU | - (1) |" in text
     assert "1. scheduler simulation: 4 block-id divergences patched" in text
+
+
+# vLLM 0.34 (scripts/vllm_cells.EXTENDED_REQUIRED_SINCE): the scheduler cell also needs the
+# extended sets of sched_matrix (async scheduling, pure attention at blocks 64/128/256).
+V034 = "0.34.0"
+
+
+def _with_034(d: dict, extended: dict | None) -> None:
+    sha = d["sched"]["cells"][0]["series_sha256"]
+    patched = {"lmcache": LM, "vllm": V034, "build": "patched", "constructed": True,
+               "series_sha256": sha, "divergences": 0, "wrong_stores": 0, "wrong_state_hits": 0}
+    if extended is not None:
+        patched["extended"] = extended
+    d["sched"]["cells"] += [patched, {
+        "lmcache": LM, "vllm": V034, "build": "pristine", "constructed": False,
+        "reason": "raises at step 2: AttributeError: ... resumed_req_ids", "bug_shows": True}]
+
+
+def _cells_034(ev, tmp_path, extended):
+    import vllm_cells as vc
+    root, results = ev.root, ev.results
+    d = {"geometry": _geometry(root), "sched": _sched(root), "engine_driven": _engine_driven(root)}
+    _with_034(d, extended)
+    paths = {k: tmp_path / f"{k}.json" for k in d}
+    for k, p in paths.items():
+        p.write_text(json.dumps(d[k]))
+    cols, cells = vc.cells([LM], root, paths["geometry"], paths["sched"], results, paths["engine_driven"])
+    assert cols == [OLD, NEW, V034]
+    return {c.vllm: c for c in cells}
+
+
+def test_034_needs_the_extended_sets(ev, tmp_path):
+    cell = _cells_034(ev, tmp_path, None)[V034]
+    assert cell.status == "-" and "extended sets (async, pure attention) were not run" in cell.why
+
+
+def test_034_a_failing_extended_set_denies_the_cell(ev, tmp_path):
+    ext = {"async": {"passes": True}, "attention-128": {"passes": False,
+                                                        "not_constructed_reason": "raises at step 2"}}
+    cell = _cells_034(ev, tmp_path, ext)[V034]
+    assert cell.status == "-" and "the attention-128 set fails patched (raises at step 2)" in cell.why
+
+
+def test_034_with_passing_extended_sets_is_cpu(ev, tmp_path):
+    ext = {n: {"passes": True} for n in ("async", "attention-64", "attention-128", "attention-256")}
+    cells = _cells_034(ev, tmp_path, ext)
+    assert cells[V034].status == "CPU" and cells[NEW].status == "CPU"
