@@ -27,11 +27,12 @@ here.  The two profiles:
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from .kv_cache_access import release
 
 SHIM_DIR = Path(__file__).resolve().parents[1] / "engine_shim"
 DEVICES = ("gpu", "cpu")
@@ -134,16 +135,11 @@ def target_vllm(python: str, timeout: float = 60.0) -> str | None:
         return None
 
 
-def _release(version: str | None) -> tuple[int, int] | None:
-    m = re.match(r"\s*v?(\d+)\.(\d+)", version or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
 def profile(name: str, vllm_version: str | None = None) -> DeviceProfile:
     """The device's profile; on a GPU, the default geometry of the target's vLLM (0.34+: 576/64)."""
     if name not in PROFILES:
         raise ValueError(f"unknown device {name!r} ({' | '.join(DEVICES)} | auto)")
-    rel = _release(vllm_version)
+    rel = release(vllm_version)
     if name == "gpu" and rel is not None and rel >= GPU_034_SINCE:
         return GPU_034
     return PROFILES[name]

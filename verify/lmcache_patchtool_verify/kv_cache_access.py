@@ -40,7 +40,8 @@ class Decision:
     note: str | None  # one line for the trace; None: nothing applies
 
 
-def _release(version: str | None) -> tuple[int, int] | None:
+def release(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string (``0.34.1+cu130`` -> (0, 34)), or None."""
     m = re.match(r"\s*v?(\d+)\.(\d+)", version or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
 
@@ -54,7 +55,7 @@ def decide(vllm_version: str | None, device: str, vllm_args: tuple[str, ...] | l
     """What the gate must do about the extensible KV cache for vLLM ``vllm_version`` on
     ``device`` ("gpu" or "cpu") given the extra vLLM arguments; raises
     :class:`ExtensibleKvCacheRefused` (one line) for a combination that cannot work."""
-    rel = _release(vllm_version)
+    rel = release(vllm_version)
     if device != "gpu" or rel is None or rel < SINCE or not module_path_set:
         return Decision((), None)
     if _given(vllm_args, ON):
