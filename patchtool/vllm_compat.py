@@ -29,15 +29,18 @@ NOT_VERIFIED_NOTE = "not verified with vLLM {vllm}; verified: {verified}"
 # vLLM 0.34 removed ``CachedRequestData.resumed_req_ids`` (a request resumed after preemption is
 # re-sent in ``scheduled_new_reqs`` with its full block list).  Every LMCache release up to
 # 0.5.7rc2 reads it without a guard in the connector's ``_process_cached_requests``, inside
-# ``build_connector_meta``: measured with vLLM 0.34.0's real Scheduler, pristine 0.5.5 and 0.5.6
-# raise AttributeError at the first step, hybrid or not; this project's hybrid-fa sets (0.5.3-0.5.6)
-# serve a hybrid (their block-id resync takes vLLM's block state and never reads the field) and
-# raise the same for pure attention.  The note goes once a patch set lists a vLLM >= 0.34.
+# ``build_connector_meta``: measured with vLLM 0.34.0's real Scheduler (sched_matrix, the
+# ``vllm 0.34.0`` cells of verify/evidence/sched-vllm-matrix.json), pristine 0.5.3-0.5.6 raise
+# AttributeError at the second scheduler step (the first with a running request), hybrid or not;
+# hybrid-fa revisions before part 15 serve a hybrid (their block-id resync takes vLLM's block
+# state) and raise the same for pure attention.  Part 15 reads the field with a guard; a patch
+# set whose ``vllm_versions`` lists a vLLM >= 0.34 carries it (the support table admits 0.34.0
+# only from that evidence), so "verified with a vLLM >= 0.34" is what this note keys on.
 SCHED_OUTPUT_VLLM = (0, 34)
 SCHED_OUTPUT_NOTE = (
-    "vLLM {vllm} no longer sends CachedRequestData.resumed_req_ids, which LMCache{lmcache} reads at every "
-    "scheduler step: {who} dies at the first step (AttributeError in build_connector_meta, which ends "
-    "the engine core){scope}. {action}"
+    "{who} dies at the first scheduler step under vLLM {vllm}{scope} (AttributeError: "
+    "CachedRequestData has no resumed_req_ids, raised in build_connector_meta, which ends the "
+    "engine core): {action}"
 )
 
 _RELEASE = re.compile(r"\s*v?(\d+)\.(\d+)")
@@ -77,19 +80,30 @@ def vllm_notes(vllm: str | None, verified: list[str] | None, *, lmcache: str | N
 
 def scheduler_output_note(vllm: str, verified: list[str] | None, *, lmcache: str | None = None,
                           state: str | None = None) -> str | None:
-    """The vLLM >= 0.34 scheduler-output note, or None (an older vLLM, or a patched install whose
-    patch set lists a vLLM >= 0.34 among the versions it was verified with)."""
+    """The vLLM >= 0.34 scheduler-output note, or None: an older vLLM, or an install of the
+    shipped revision of a patch set verified with a vLLM >= 0.34 (its part 15 reads vLLM's
+    scheduler output either way; whether *this* vLLM was verified is NOT_VERIFIED_NOTE's job)."""
     rel = release(vllm)
     if rel is None or rel < SCHED_OUTPUT_VLLM:
         return None
     fixed = [v for v in verified or () if (release(v) or (0, 0)) >= SCHED_OUTPUT_VLLM]
-    if state == "patched" and public(vllm) in {public(v) for v in fixed}:
+    if state == "patched" and fixed:
         return None
-    patched = state == "patched"
-    who = "this patched build" if patched else f"a {state or 'this'} build"
-    scope = (" for a pure-attention model; a hybrid runs (the patch set's block-id resync does not read "
-             "the field)") if patched else ""
-    action = ("apply the patch set verified with it: patchtool apply" if fixed else
-              "No patch set of this patchtool fixes it yet: keep vLLM <= 0.33 with this LMCache.")
-    return SCHED_OUTPUT_NOTE.format(vllm=vllm, lmcache=f" {lmcache}" if lmcache else "", who=who, scope=scope,
-                                    action=action)
+    name = f"LMCache {lmcache}" if lmcache else "LMCache"
+    if fixed:
+        action = f"apply the patch set verified with vLLM {', '.join(fixed)}: patchtool apply"
+    else:
+        action = "no patch set of this patchtool serves it yet: keep vLLM <= 0.33 with this LMCache"
+    if state == "pristine" or state is None:
+        return SCHED_OUTPUT_NOTE.format(who=f"pristine {name}" if state else name, vllm=vllm,
+                                        scope=", hybrid or not", action=action)
+    if state in ("patched", "patched-older-revision"):
+        which = "this patched" if state == "patched" else "an older patched revision of"
+        if state == "patched-older-revision" and fixed:
+            action = "patchtool apply upgrades it to the shipped revision, which serves it"
+        return SCHED_OUTPUT_NOTE.format(
+            who=f"{which} {name}", vllm=vllm,
+            scope=" with a pure-attention model (a hybrid runs: the block-id resync reads vLLM's "
+                  "block state, not the field)", action=action)
+    return SCHED_OUTPUT_NOTE.format(who=f"{name} ({state})", vllm=vllm,
+                                    scope=" unless its files carry hybrid-fa part 15", action=action)

@@ -1,0 +1,46 @@
+"""``patchtool status`` next to vLLM 0.34 (patchtool/vllm_compat.py): on a real venv with the real
+lmcache wheel installed (scripts/provision.py's bare env, copied), and a vLLM 0.34.0 distribution
+beside it.  status reads vLLM's version from its dist-info METADATA and never imports it, so the
+distribution here is that metadata alone (the 400 MB wheel would add nothing the tool reads).
+
+Pristine: the note names the crash at the first scheduler step and the command that fixes it;
+patched with the shipped set, whose manifest lists 0.34.0 from the evidence
+(scripts/support_table.py --check), no crash note and 0.34.0 among the verified versions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .helpers import REPO, cli, copy_venv, site_of
+
+VERSIONS = ("0.5.6", "0.5.3")
+CRASH = "dies at the first scheduler step under vLLM 0.34.0"
+
+
+def _with_vllm(venv: Path, version: str) -> str:
+    dist = site_of(venv) / f"vllm-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return str(venv / "bin" / "python")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_status_names_the_crash_and_the_fix(tmp_path, bare_envs, version):
+    manifest = json.loads((REPO / "patches" / "hybrid-fa" / version / "manifest.json").read_text())
+    assert "0.34.0" in manifest["vllm_versions"], "the shipped set is not verified with vLLM 0.34.0"
+    py = _with_vllm(copy_venv(bare_envs[version], tmp_path / "venv"), "0.34.0")
+
+    st = cli("status", "--python", py, "--json").json["result"]
+    assert st["state"] == "pristine" and st["vllm_version"] == "0.34.0"
+    [note] = [n for n in st["notes"] if CRASH in n]
+    assert note.startswith(f"pristine LMCache {version} {CRASH}, hybrid or not"), note
+    assert note.endswith("patchtool apply"), note
+
+    assert cli("apply", "--python", py).rc == 0
+    st = cli("status", "--python", py, "--json").json["result"]
+    assert st["state"] == "patched" and "0.34.0" in st["vllm_versions"]
+    assert not [n for n in st["notes"] if CRASH in n or "not verified with vLLM" in n], st["notes"]
+    assert cli("revert", "--python", py).rc == 0
