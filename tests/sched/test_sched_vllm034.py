@@ -91,8 +91,17 @@ def test_pristine_056_raises_for_pure_attention(sched_run):
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_patched_serves_the_hybrid(sched_run, version):
+    """>= 95 % of the ideal on 0.5.4+.  0.5.3 stays below it on every vLLM (76 %): each
+    scenario short of the ideal is one in which part 03 refused chunks, because 0.5.3's server
+    reads every Mamba block of a chunk (C = 4N; a decode chunk of 2N)."""
     results = sched_run(version, "patched", "ci", VLLM)
-    _assert_serves(results)
+    _assert_serves(results, useful=version != "0.5.3")
+    if version == "0.5.3":
+        short = [r for r in _ran(results)
+                 if sum(s["hit_tokens"] for s in r["second"].values())
+                 < sum(s["ideal_tokens"] for s in r["second"].values())]
+        assert short and all(r["refused_chunks"] for r in short), \
+            [(r["scenario"], r["refused_chunks"]) for r in short]
     if version != "0.5.3":  # 0.5.3 refuses multi-block steps by design
         pre = results["2048-c1-preempt"]
         assert pre["resumes"] >= 1 and any("(as new)" in e for e in pre["events"]), pre["events"]
