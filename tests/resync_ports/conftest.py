@@ -34,7 +34,8 @@ def series(version: str) -> list[Path]:
 # Builds: the wheel, the whole series, and the series of revision 2 (no 08).
 BUILDS = {"pristine": lambda v: None,
           "patched": series,
-          "r2": lambda v: [p for p in series(v) if not p.name.startswith("08-")]}
+          # revision 2: without 08, and without 15 (vLLM 0.34), which edits lines 08 wrote
+          "r2": lambda v: [p for p in series(v) if not p.name.startswith(("08-", "15-"))]}
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +43,7 @@ def port_sim(tmp_path_factory):
     """``port_sim(version, which, vllm="0.27.1")`` -> batch result (cached per session).
 
     ``which`` is ``pristine`` (the wheel), ``patched`` (the whole series,
-    applied with ``patch -p1 -F0``) or ``r2`` (the series without 08)."""
+    applied with ``patch -p1 -F0``) or ``r2`` (the series without 08, and 15)."""
     import provision_vllm  # scripts/ is on sys.path (tests/conftest.py)
 
     cache: dict[tuple[str, str, str], dict] = {}
