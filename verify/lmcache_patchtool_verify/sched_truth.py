@@ -37,6 +37,12 @@ from typing import Any, Callable, Iterable
 NULL_BLOCK = 0  # vLLM's BlockPool.null_block.block_id
 
 
+def resumed_in_cached(so: Any) -> Any:
+    """Requests a step resumes inside ``scheduled_cached_reqs`` (vLLM <= 0.33 with the V1
+    runner, ``resumed_req_ids``); vLLM 0.34 has no such field: it re-sends them as new."""
+    return getattr(so.scheduled_cached_reqs, "resumed_req_ids", None) or ()
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -142,8 +148,7 @@ class Truth:
             self.tables.pop(rid, None)
         # cleanup_mamba_state_idx: finished, preempted and resumed requests.
         cached = so.scheduled_cached_reqs
-        # vLLM 0.34 has no resumed_req_ids: a resumed request is a new one.
-        resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+        resumed = set(resumed_in_cached(so))
         for rid in (set(so.finished_req_ids) | set(so.preempted_req_ids or ()) | resumed):
             self.state_idx.pop(rid, None)
         for nr in so.scheduled_new_reqs:
