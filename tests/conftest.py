@@ -67,7 +67,7 @@ def patched_overlay_053() -> Path:
 # ------------------------------------------------------------------ tiers
 
 TIERS = ("unit", "wheels", "torch", "engine", "standalone")
-_TORCH_DIRS = {"verify", "ports", "resync", "resync_ports", "xver", "sched"}
+_TORCH_DIRS = {"verify", "ports", "resync", "resync_ports", "xver", "sched", "upstream"}
 _WHEEL_DIRS = {"tool", "ci_gate"}
 _TORCH_FIXTURES = {"runtime_python_053", "pristine_overlay_053", "patched_overlay_053"}
 

@@ -362,9 +362,14 @@ class FakeSchedulerAdapter:
         self.lmcache_tokens_per_chunk = lmcache_tokens_per_chunk
         self._results: dict[str, int] = {}
 
-    def maybe_submit_lookup_request(self, request_id: str, token_ids: list[int],
+    def maybe_submit_lookup_request(self, request_id: str, token_ids: list[int] | None = None,
                                     *a: Any, reserve_last_token: bool = False,
-                                    **k: Any) -> None:
+                                    packed_token_ids: bytes | None = None, **k: Any) -> None:
+        if token_ids is None:
+            # LMCache 0.5.7+ sends the tokens packed (token_codec); same ids.
+            from lmcache.v1.multiprocess.token_codec import unpack_token_ids  # noqa: PLC0415
+
+            token_ids = unpack_token_ids(packed_token_ids or b"")
         if request_id not in self._results:
             tokens = list(token_ids)[:len(token_ids) - int(reserve_last_token)]
             self._results[request_id] = self.lookup(tokens) if self.lookup else 0
@@ -1021,6 +1026,10 @@ def markdown(results: list[dict[str, Any]]) -> str:
                                            if r.get("vllm_version", "0.27.1") != "0.27.1" else "")
         cols = [version, build, sched,
                 f"{r['chunk_blocks']}N", str(r["prompt"])]
+        if r.get("crashed"):
+            what = f"raises at step {r.get('crashed_at_step')}: {r.get('error')} ({r.get('error_at')})"
+            rows.append("| " + " | ".join(cols + [what, "-", "-", "-", "-"]) + " |")
+            continue
         if not r.get("constructed"):
             rows.append("| " + " | ".join(cols + ["connector refuses config", "-", "-", "-", "-"])
                         + " |")
