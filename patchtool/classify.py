@@ -24,6 +24,7 @@ from .record import Record, check_rows
 from .state import STATE_FILE, InstallState, Leftover, find_leftover
 from .target import Discovery, Target
 from .vllm_compat import vllm_notes
+from . import upstream
 
 @dataclass
 class FileStatus:
@@ -98,6 +99,10 @@ class Status:
     # lmcache version's state after `pip install lmcache==X`, or orphaned
     # saved files.  apply and revert remove them.
     leftover_state: Leftover | None = None
+    # This project's upstream proposals the installed LMCache already contains
+    # ({proposal, subject, parts}; patchtool/upstream.py): those parts are
+    # fixed upstream in this release.
+    fixed_upstream: list = field(default_factory=list)
 
 
 # Why: without layout-namespaced keys (revision 1 of the series) objects in a
@@ -242,6 +247,9 @@ def assess(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = False
         st.notes += vllm_notes(st.vllm_version, st.vllm_versions if st.patch_set else None,
                                lmcache=st.lmcache_version, state=st.state.value if st.state else None)
         st.leftover_state = _leftover(t, reader)
+        fixes = upstream.fixed_upstream(t.site, reader)
+        st.fixed_upstream = [p.as_dict() for p in fixes]
+        st.notes += [upstream.note(st.lmcache_version, p) for p in fixes]
     return Assessment(st, layers, record.record if record is not None else None)
 
 

@@ -75,6 +75,14 @@ def _styled(word: str | None) -> str:
     return f"[{style}]{word}[/]" if style else word
 
 
+def _plain(text: str) -> str:
+    """Text shown as is: a note may hold brackets (``[vLLM]``) that rich
+    would otherwise take for markup and drop."""
+    from rich.markup import escape  # lazy: rich is for the human path only
+
+    return escape(text)
+
+
 def _table(*cols: str):
     from rich.table import Table  # lazy: rich is for the human path only
 
@@ -128,7 +136,7 @@ def _render_status(console, st) -> None:
         console.print(f"[yellow]leftover[/]    : {lo.describe()} in {lo.dir}; apply or revert "
                       "removes them")
     for note in st.notes:
-        console.print(f"[yellow]note[/]        : {note}")
+        console.print(f"[yellow]note[/]        : {_plain(note)}")
 
 
 def _render_hunks(console, hunks) -> None:
@@ -158,7 +166,7 @@ def _render_apply(console, r) -> None:
     if r.state_after:
         console.print(f"state       : [bold]{_styled(r.state_after)}[/]")
     for note in r.notes:
-        console.print(f"[yellow]note[/]        : {note}")
+        console.print(f"[yellow]note[/]        : {_plain(note)}")
 
 
 def _removed(action: str) -> str:

@@ -31,3 +31,8 @@ def patches_root() -> Path:
 
 def verify_root() -> Path:
     return _find("LMCACHE_PATCHTOOL_VERIFY", "verify")
+
+
+def upstream_root() -> Path:
+    """The upstream proposals (``upstream/*.patch`` and ``parts.json``)."""
+    return _find("LMCACHE_PATCHTOOL_UPSTREAM", "upstream")

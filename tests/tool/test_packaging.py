@@ -90,8 +90,12 @@ def test_built_wheel_ships_patch_sets(tmp_path):
     assert {"restore_gate.py", "roundtrip.py", "gpu_gate.py", "engine_shim/sitecustomize.py",
             "lmcache_patchtool_verify/__init__.py", "lmcache_patchtool_verify/procs.py"} <= shipped
     # patchtool._data is the repository root as a data-only package: nothing
-    # but the patch sets and those verify/ files (no stray root-level module).
-    assert {n.split("/")[2] for n in names if n.startswith("patchtool/_data/")} == {"patches", "verify"}
+    # but the patch sets, those verify/ files and the upstream proposals
+    # (status names the parts a release contains) - no stray root-level module.
+    assert {n.split("/")[2] for n in names if n.startswith("patchtool/_data/")} == \
+        {"patches", "verify", "upstream"}
+    shipped_upstream = {n.split("/", 3)[3] for n in names if n.startswith("patchtool/_data/upstream/")}
+    assert shipped_upstream == {p.name for p in (REPO / "upstream").glob("0*.patch")} | {"parts.json"}
     assert not [n for n in names if "standins" in n or "prepare_carry" in n or "page_map" in n
                 or n.startswith("tests/") or n.startswith("scripts/")]
     venv = tmp_path / "venv"
@@ -114,11 +118,13 @@ def test_built_wheel_ships_patch_sets(tmp_path):
     assert not [d for d in path if Path(d).resolve().is_relative_to(REPO)
                 and not Path(d).resolve().is_relative_to(deps)], path
     code = ("import patchtool, sys; from patchtool import resources; "
-            "print(patchtool.__file__); print(resources.patches_root()); print(resources.verify_root())")
+            "print(patchtool.__file__); print(resources.patches_root()); print(resources.verify_root()); "
+            "from patchtool import upstream; print(len(upstream.load()))")
     out = subprocess.run([py, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
                          check=True).stdout.split()
     assert out[0].startswith(str(site))
     patches, verify = Path(out[1]), Path(out[2])
+    assert int(out[3]) == len(list((REPO / "upstream").glob("0*.patch")))  # read from the wheel
     assert patches == site / "patchtool" / "_data" / "patches"
     patch_files = sorted(p.relative_to(REPO / "patches") for p in (REPO / "patches").glob("*/*/*.patch"))
     assert sorted(p.relative_to(patches) for p in patches.glob("*/*/*.patch")) == patch_files
