@@ -259,12 +259,17 @@ def run(names: list[str] | None = None) -> dict:
 # What each proposal changes, measured with this project's own harnesses on the
 # pristine tree and on the series tree (``--evidence``): the in-process round
 # trip (verify/, lmcache_patchtool_verify.ports_roundtrip: the real
-# registration edits and transfer module, bytes compared) and the scheduler
-# simulation under vLLM's real Scheduler (sched_sim; pure attention at three
-# block sizes, and the CI hybrid set).
+# registration edits and transfer module, bytes compared), the CPU restore
+# gate (verify/restore_gate.py: a real server, fs tier, restart) and the
+# scheduler simulation under vLLM's real Scheduler (sched_sim; pure attention
+# at three block sizes, and the CI hybrid set).
 
 VERIFY = REPO / "verify"
 ROUNDTRIP_MATRICES = ("full", "vllm030")
+# The CPU restore gate (a real ``lmcache server``, fs L2, SIGKILL, a fresh
+# server, restore into other blocks), registering through the connector's own
+# kv_cache_group_edits as vLLM's connector does.
+GATE_PRESETS = ("pure-attn-bs128", "qwen35-0.8b", "control-k1")
 SCHED_RUNS = (("attn", 64), ("attn", 128), ("attn", 256), ("ci", None))
 
 
@@ -319,13 +324,40 @@ def sched_summary(report: dict | list) -> list[dict]:
     return rows
 
 
+def restore_gate(python: Path, tree: Path) -> dict[str, dict]:
+    """Per preset: the gate's verdict, chunks found after the restart, attention
+    pages restored exact, and bytes written outside the destination blocks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "gate.json"
+        args = [str(python), str(VERIFY / "restore_gate.py"), "--connector-edits", "--json-out", str(out)]
+        for preset in GATE_PRESETS:
+            args += ["--preset", preset]
+        subprocess.run(args, env={**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{VERIFY}",
+                                  "LMCACHE_DISABLE_BANNER": "1"},
+                       capture_output=True, text=True, timeout=1800, cwd=REPO)
+        if not out.exists():
+            raise RuntimeError(f"restore_gate over {tree.name} wrote no report")
+        report = json.loads(out.read_text())
+    rows = {}
+    for p in report["presets"]:
+        fa = (p.get("fidelity") or {}).get("fa") or {}
+        rows[p["preset"]] = {"verdict": p.get("verdict"),
+                             "chunks_found": (p.get("after_restart") or {}).get("chunks_found"),
+                             "chunks_stored": (p.get("after_restart") or {}).get("chunks_stored"),
+                             "fa_pages_exact": fa.get("pages_exact"), "fa_pages": fa.get("pages_total"),
+                             "foreign_bytes": (p.get("foreign_writes") or {}).get("bytes"),
+                             "reasons": p.get("reasons")}
+    return rows
+
+
 def evidence(items: list[Proposal]) -> dict:
     python = provision.runtime_env(TARGET) / "bin" / "python"
     layer = provision_vllm.vllm_layer(TARGET, vllm=VLLM)
     trees = {"pristine": provision.overlay(TARGET),
              "series": provision.overlay(TARGET, [p.path for p in items])}
-    out: dict = {"roundtrip": {}, "sched": {}}
+    out: dict = {"roundtrip": {}, "sched": {}, "restore_gate": {}}
     for build, tree in trees.items():
+        out["restore_gate"][build] = restore_gate(python, tree)
         out["roundtrip"][build] = {
             m: roundtrip_summary(_lab(python, tree, None, "ports_roundtrip",
                                       ["--edits", "--layout", "HND", "--matrix", m]))
