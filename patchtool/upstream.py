@@ -95,7 +95,8 @@ def parse_hunks(text: str, origin: Path) -> tuple[Hunk, ...]:
     return tuple(hunks)
 
 
-def _subject(text: str) -> str:
+def subject_of(text: str) -> str:
+    """A format-patch's ``Subject:``, unfolded, without the ``[PATCH]`` tag ("" if none)."""
     m = _SUBJECT.search(text)
     return " ".join(s.strip() for s in m.group(1).splitlines()) if m else ""
 
@@ -115,7 +116,7 @@ def load(root: Path | None = None) -> list[Proposal]:
     for path in sorted(p for p in root.iterdir() if _PROPOSAL.match(p.name)):
         text = path.read_text()
         code = tuple(h for h in parse_hunks(text, path) if not h.path.startswith("tests/"))
-        out.append(Proposal(path.stem, _subject(text), tuple(parts.get(path.stem, ())), code))
+        out.append(Proposal(path.stem, subject_of(text), tuple(parts.get(path.stem, ())), code))
     return out
 
 

@@ -48,6 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import provision  # noqa: E402
 import provision_vllm  # noqa: E402
+from patchtool.upstream import subject_of  # noqa: E402  (the one format-patch subject reader)
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = REPO / "upstream"
@@ -108,8 +109,8 @@ def parse(path: Path) -> Proposal:
     from unidiff import PatchSet  # noqa: PLC0415
 
     text = path.read_text()
-    subject = _subject(text)
-    if subject is None:
+    subject = subject_of(text)
+    if not subject:
         raise ProposalError(f"{path}: no 'Subject:' header (not a git format-patch file)")
     files = [f.path for f in PatchSet(text)]
     tests = tuple(f for f in files if f.startswith("tests/"))
@@ -119,15 +120,6 @@ def parse(path: Path) -> Proposal:
     if not code:
         raise ProposalError(f"{path}: changes no LMCache source file")
     return Proposal(path=path, subject=subject, code_files=code, test_files=tests)
-
-
-def _subject(text: str) -> str | None:
-    """The ``Subject:`` header, unfolded, without the ``[PATCH]`` tag."""
-    match = re.search(r"^Subject: (.*(?:\n [^\n]*)*)", text, re.MULTILINE)
-    if match is None:
-        return None
-    subject = " ".join(line.strip() for line in match.group(1).splitlines())
-    return re.sub(r"^\[PATCH[^\]]*\]\s*", "", subject)
 
 
 def tests_only(proposal: Proposal, dest: Path) -> Path:

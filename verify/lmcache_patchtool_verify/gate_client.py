@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import zmq
 
-from . import geometry
+from . import geometry, token_form
 from lmcache import torch_dev
 from lmcache.integration.vllm.vllm_multi_process_adapter import (
     LMCacheMPSchedulerAdapter,
@@ -46,23 +46,6 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (
     ParallelStrategy,
 )
 from lmcache.v1.multiprocess.group_view import EngineGroupInfo, slice_block_ids_per_group
-
-
-def _packs_tokens(op_cls: type) -> bool:
-    """LMCache 0.5.7 replaced the ops' and keys' ``token_ids`` by packed
-    ``token_bytes`` (``lmcache.v1.multiprocess.token_codec``)."""
-    return "token_bytes" in (getattr(op_cls, "__dataclass_fields__", None) or {})
-
-
-def _pack(token_ids: list[int]) -> bytes:
-    from lmcache.v1.multiprocess.token_codec import pack_token_ids  # noqa: PLC0415
-
-    return pack_token_ids(token_ids)
-
-
-def _op_tokens(token_ids: list[int]) -> dict[str, Any]:
-    """The token field of a ``LoadStoreOp`` in the installed LMCache's form."""
-    return {"token_bytes": _pack(token_ids)} if _packs_tokens(LoadStoreOp) else {"token_ids": token_ids}
 
 POISON = 0xA5  # retrieve destinations before the retrieve
 BACKGROUND = 0x3C  # every block of a source cache that is not stored
@@ -173,8 +156,8 @@ class Client:
     # -- scheduler side ----------------------------------------------------
     def lookup(self, request_id: str, token_ids: list[int], timeout: float) -> int:
         """LOOKUP (the server prefetches into L1) and poll until the hit count is final."""
-        if _packs_tokens(LoadStoreOp):  # 0.5.7+: the adapter takes the packed form
-            self.scheduler.maybe_submit_lookup_request(request_id, packed_token_ids=_pack(token_ids))
+        if token_form.packs_tokens(LoadStoreOp):  # 0.5.7+: the adapter takes the packed form
+            self.scheduler.maybe_submit_lookup_request(request_id, packed_token_ids=token_form.pack(token_ids))
         else:
             self.scheduler.maybe_submit_lookup_request(request_id, token_ids)
         deadline = time.monotonic() + timeout
@@ -197,7 +180,7 @@ class Client:
         """STORE tokens ``[start, end)``; ``op_block_ids`` overrides the op's
         block lists (what a connector sends after rewriting vLLM's)."""
         block_ids = op_block_ids if op_block_ids is not None else self.layout.op_block_ids(ids, start, end)
-        op = LoadStoreOp(**_op_tokens(token_ids), block_ids=block_ids, start=start, end=end)
+        op = LoadStoreOp(**token_form.token_fields(LoadStoreOp, token_ids), block_ids=block_ids, start=start, end=end)
         event = torch_dev.Event(interprocess=True)
         event.record()
         self.worker.submit_store_request(request_id, op, event)
@@ -210,7 +193,7 @@ class Client:
 
     def retrieve(self, request_id: str, token_ids: list[int], ids: list[list[int]], end: int,
                  timeout: float) -> tuple[bool, str]:
-        op = LoadStoreOp(**_op_tokens(token_ids), block_ids=self.layout.op_block_ids(ids, 0, end), start=0, end=end,
+        op = LoadStoreOp(**token_form.token_fields(LoadStoreOp, token_ids), block_ids=self.layout.op_block_ids(ids, 0, end), start=0, end=end,
                          skip_first_n_tokens=0)
         event = torch_dev.Event(interprocess=True)
         event.record()

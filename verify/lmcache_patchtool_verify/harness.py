@@ -65,7 +65,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from . import geometry
+from . import geometry, token_form
 
 POISON = 0xA5
 MODEL = "roundtrip-model"
@@ -260,15 +260,6 @@ class FakeStorageManager:
         return damage
 
 
-def _key_token_ids(key) -> tuple[int, ...]:
-    """A key's tokens, from ``token_ids`` (<= 0.5.6) or packed ``token_bytes`` (0.5.7+)."""
-    if hasattr(key, "token_bytes"):
-        from lmcache.v1.multiprocess.token_codec import unpack_token_ids  # noqa: PLC0415
-
-        return tuple(unpack_token_ids(key.token_bytes))
-    return tuple(key.token_ids)
-
-
 def _fake_server_context(chunk_size: int, sm: FakeStorageManager):
     from types import SimpleNamespace  # noqa: PLC0415
 
@@ -281,7 +272,7 @@ def _fake_server_context(chunk_size: int, sm: FakeStorageManager):
         for g in gids:
             keys = []
             for i in range(n):
-                toks = _key_token_ids(key)[: key.start + (i + 1) * chunk_size]
+                toks = token_form.token_ids_of(key)[: key.start + (i + 1) * chunk_size]
                 h = hashlib.sha256(repr(toks).encode()).digest()[:16]
                 keys.append(ObjectKey(chunk_hash=h, model_name=key.model_name, kv_rank=key.worker_id or 0,
                                       object_group_id=g))
@@ -453,18 +444,6 @@ def _pick_ids(rng: random.Random, nb: int, m: int, avoid: list[int] | None = Non
     raise RuntimeError("could not draw distinct block ids")
 
 
-def _key_tokens(key_cls, num_tokens: int) -> dict:
-    """The token field of an ``IPCCacheServerKey`` for tokens ``0..T-1``:
-    ``token_ids`` up to 0.5.6, packed ``token_bytes`` from 0.5.7 (the field
-    was replaced in place; ``lmcache.v1.multiprocess.token_codec``)."""
-    fields = set(getattr(key_cls, "__dataclass_fields__", {}) or getattr(key_cls, "__struct_fields__", ()))
-    if "token_bytes" in fields:
-        from lmcache.v1.multiprocess.token_codec import pack_token_ids  # noqa: PLC0415
-
-        return {"token_bytes": pack_token_ids(range(num_tokens))}
-    return {"token_ids": tuple(range(num_tokens))}
-
-
 def run_cell(cell: Cell, opts: Options) -> dict:
     import torch  # noqa: PLC0415
     from lmcache.utils import EngineType  # noqa: PLC0415
@@ -599,7 +578,7 @@ def run_cell(cell: Cell, opts: Options) -> dict:
 
         store_lists = [src_ids[x] for x in kg_kind]
         retrieve_lists = [dst_ids[x] for x in kg_kind]
-        tokens = _key_tokens(IPCCacheServerKey, T)
+        tokens = token_form.token_fields(IPCCacheServerKey, tuple(range(T)))
         store_key = IPCCacheServerKey(model_name=MODEL, world_size=1, worker_id=0, **tokens,
                                       start=0, end=T, request_id="rt-store")
         retrieve_key = IPCCacheServerKey(model_name=MODEL, world_size=1, worker_id=0, **tokens,

@@ -48,6 +48,7 @@ import types
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
+from . import token_form
 from .sched_server import FakeServer, ServerRules
 from .sched_truth import Digests, StepInput, Truth, cdiv, resumed_in_cached
 
@@ -365,11 +366,8 @@ class FakeSchedulerAdapter:
     def maybe_submit_lookup_request(self, request_id: str, token_ids: list[int] | None = None,
                                     *a: Any, reserve_last_token: bool = False,
                                     packed_token_ids: bytes | None = None, **k: Any) -> None:
-        if token_ids is None:
-            # LMCache 0.5.7+ sends the tokens packed (token_codec); same ids.
-            from lmcache.v1.multiprocess.token_codec import unpack_token_ids  # noqa: PLC0415
-
-            token_ids = unpack_token_ids(packed_token_ids or b"")
+        if token_ids is None:  # LMCache 0.5.7+ sends the tokens packed; same ids
+            token_ids = token_form.unpack(packed_token_ids or b"")
         if request_id not in self._results:
             tokens = list(token_ids)[:len(token_ids) - int(reserve_last_token)]
             self._results[request_id] = self.lookup(tokens) if self.lookup else 0
