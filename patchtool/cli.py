@@ -137,15 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "else lmcache_driven alone)")
     b.add_argument("--fixed-upstream", metavar="REASON",
                    help="mark this version as needing no patch, with a reason")
-    l2 = sub.add_parser("l2", help="disk-tier (fs L2 adapter) tools")
+    l2 = sub.add_parser("l2", help="L2 tier tools (the fs adapter's directory, or a Redis tier)")
     l2sub = l2.add_subparsers(dest="l2_command", required=True)
     ls = l2sub.add_parser("scan", parents=[common, targeting], help="report the objects of an "
-                          "fs L2 tier this install never reads or reads wrongly")
-    ls.add_argument("dir", metavar="DIR", help="the fs L2 adapter's base_path")
+                          "fs or Redis L2 tier this install never reads or reads wrongly")
+    ls.add_argument("dir", metavar="DIR", help="the fs L2 adapter's base_path, or "
+                    "redis://[user:password@]HOST:PORT[/DB] for a Redis (RESP) tier")
     ls.add_argument("--assume", metavar="pristine|kvlN", help="the reader to scan for, "
                     "without a target install")
-    ls.add_argument("--quarantine", metavar="DEST", help="move the flagged objects into DEST "
-                    "(same filesystem; nothing is deleted)")
+    ls.add_argument("--quarantine", metavar="DEST", nargs="?", const="",
+                    help="move the flagged objects into DEST (same filesystem; nothing is "
+                    "deleted); on a Redis tier give no DEST: each key is renamed to lmcptq@KEY")
     ls.add_argument("--only", metavar="LIST", help="with --quarantine: the categories to move "
                     "(never-read,unpatched,size-mismatch,corrupt; default: all judged)")
     ls.add_argument("--verify", action="store_true", help="also read every object the reader "
@@ -158,7 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "group field, as the report prints it); repeatable")
     lr = l2sub.add_parser("restore", parents=[common], help="move quarantined objects back "
                           "where DIR holds no entry of that name (the undo of --quarantine)")
-    lr.add_argument("dest", metavar="DEST", help="the directory a quarantine moved objects to")
+    lr.add_argument("dest", metavar="DEST", help="the directory a quarantine moved objects to, "
+                    "or the redis:// tier a quarantine renamed keys in")
+    lr.add_argument("keys", metavar="KEY", nargs="*", help="Redis only: restore just these keys "
+                    "(as the scan named them, or lmcptq@KEY); refused if a live KEY exists")
     return ap
 
 
@@ -229,11 +234,21 @@ def cmd_manifest(args) -> int:
 def cmd_l2(args) -> int:
     # lazy: only the l2 commands load the tier modules, so status stays light
     from . import l2command, l2reader
+    from .l2rediskeys import is_redis_url
 
     if args.l2_command == "restore":
-        from .l2restore import restore  # lazy: only l2 restore needs it
+        if is_redis_url(args.dest):
+            from .l2redisscan import run_redis_restore  # lazy: only a redis:// tier needs it
 
-        res = restore(Path(args.dest))
+            res = run_redis_restore(args.dest, args.keys)
+        else:
+            from .l2restore import restore  # lazy: only l2 restore needs it
+
+            if args.keys:
+                raise Refusal("KEY", "restoring by key applies to a redis:// tier; an fs "
+                              "quarantine is restored as a whole: patchtool l2 restore DEST",
+                              ExitCode.USAGE)
+            res = restore(Path(args.dest))
         if args.json:
             output.emit_json("l2 restore", res, ExitCode.OK)
         else:
@@ -241,7 +256,20 @@ def cmd_l2(args) -> int:
 
             render_restore(res, ExitCode.OK)
         return int(ExitCode.OK)
-    only, expect = l2command.parse_only(args.only), l2command.parse_expect(args.expect_size)
+    redis_tier = is_redis_url(args.dir)
+    if redis_tier:
+        from .l2redisscan import parse_redis_expect  # lazy: only a redis:// tier needs it
+
+        only, expect = l2command.parse_only(args.only), parse_redis_expect(args.expect_size)
+        if args.quarantine:
+            raise Refusal("--quarantine", "a Redis tier's quarantine is in the tier itself (each "
+                          "key renamed to lmcptq@KEY): give --quarantine without DEST",
+                          ExitCode.USAGE)
+    else:
+        only, expect = l2command.parse_only(args.only), l2command.parse_expect(args.expect_size)
+        if args.quarantine == "":
+            raise Refusal("--quarantine", "needs DEST for an fs tier: the directory to move "
+                          "flagged objects into (same filesystem as DIR)", ExitCode.USAGE)
     verified_with: list[str] = []
     target_python = None
     if args.assume is not None:
@@ -250,18 +278,24 @@ def cmd_l2(args) -> int:
                           "not both", ExitCode.USAGE)
         reader = l2reader.parse_assume(args.assume)
     else:
-            reader, target_python = operations.l2_reader_of(_where(args))
-    check = None
-    if args.verify:
-        from .l2verify import checker  # lazy: only l2 scan --verify reads object contents
+        reader, target_python = operations.l2_reader_of(_where(args))
+    check_python = None if args.assume is not None else target_python
+    if redis_tier:
+        from .l2redisscan import run_redis_scan  # lazy: only a redis:// tier needs it
 
-        check = checker(Path(args.dir), None if args.assume is not None else target_python,
-                        verified_with)
-    res = l2command.run_scan(Path(args.dir), reader,
-                             Path(args.quarantine) if args.quarantine else None, only,
-                             sizes=not args.names_only, expect=expect, check=check)
-    if res.verify is not None and verified_with:
-        res.verify.checked_with = verified_with[0]
+        res = run_redis_scan(args.dir, reader, args.quarantine is not None, only,
+                             not args.names_only, expect, args.verify, check_python)
+    else:
+        check = None
+        if args.verify:
+            from .l2verify import checker  # lazy: only l2 scan --verify reads object contents
+
+            check = checker(Path(args.dir), check_python, verified_with)
+        res = l2command.run_scan(Path(args.dir), reader,
+                                 Path(args.quarantine) if args.quarantine else None, only,
+                                 sizes=not args.names_only, expect=expect, check=check)
+        if res.verify is not None and verified_with:
+            res.verify.checked_with = verified_with[0]
     code = l2command.scan_exit_code(res)
     if args.json:
         output.emit_json("l2 scan", res, code)

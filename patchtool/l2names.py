@@ -74,13 +74,20 @@ class ObjectName:
     salt: str
 
 
-def set_key(model_field: str, kv_rank: str, group: str) -> SetKey:
-    """The :class:`SetKey` of a matched name's first three fields."""
+def split_namespace(model_field: str) -> tuple[str, str, int | None]:
+    """``(model, namespace, format)`` of a key's model field: the layout
+    namespace a patched build appends (``+kvl<F>-<hex12>``), or ``""`` and
+    ``None`` for a plain one.  Shared by every tier's key grammar (the fs
+    names here, the Redis keys in ``patchtool.l2rediskeys``)."""
     ns = NAMESPACE_RE.fullmatch(model_field)
     if ns is None:
-        model, namespace, fmt = model_field, "", None
-    else:
-        model, namespace, fmt = ns.group(1), f"kvl{ns.group(2)}-{ns.group(3)}", int(ns.group(2))
+        return model_field, "", None
+    return ns.group(1), f"kvl{ns.group(2)}-{ns.group(3)}", int(ns.group(2))
+
+
+def set_key(model_field: str, kv_rank: str, group: str) -> SetKey:
+    """The :class:`SetKey` of a matched name's first three fields."""
+    model, namespace, fmt = split_namespace(model_field)
     return SetKey(model.replace(SLASH, "/"), namespace, fmt, int(kv_rank, 16), int(group, 16))
 
 

@@ -30,7 +30,7 @@ MAX_PASSES = 10
 @dataclass
 class QuarantineResult:
     dest: str
-    journal: str
+    journal: str | None  # None: a tier whose moves keep no journal (Redis, patchtool.l2redismove)
     only: list[str]
     run: str | None  # None when nothing was selected (nothing written)
     resumed: bool  # finished an unfinished run recorded in the journal

@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from .l2command import ScanReport
+from .l2redismove import RedisQuarantineResult, RedisRestoreResult
+from .l2redisscan import RedisScanReport
 from .l2restore import RestoreResult
 from .l2rules import CORRUPT, EXPECT_OPTION, NEVER_READ, SIZE_MISMATCH, UNPATCHED, Flag, ObjectSet
 
@@ -45,17 +47,20 @@ def _console() -> Console:
 
 def render_scan(res: ScanReport, code: int) -> None:
     con = _console()
-    con.print(f"tier        : {shown(res.dir)}")
-    con.print(f"reader      : {shown(res.reader.detail)}")
-    con.print(f"objects     : {res.objects} ({_size(res.bytes)}); skipped {res.tmp_files} tmp "
-              f"file(s), {res.subdirs} subdir(s); {res.foreign} foreign")
+    if isinstance(res, RedisScanReport) and res.redis is not None:
+        _redis_head(con, res)
+    else:
+        con.print(f"tier        : {shown(res.dir)}")
+        con.print(f"reader      : {shown(res.reader.detail)}")
+        con.print(f"objects     : {res.objects} ({_size(res.bytes)}); skipped {res.tmp_files} tmp "
+                  f"file(s), {res.subdirs} subdir(s); {res.foreign} foreign")
     if not res.sizes_read:
         con.print(f"sizes       : not read (--names-only): only {NEVER_READ} is judged; "
                   f"{UNPATCHED}, {SIZE_MISMATCH} and ambiguity need a scan without "
                   "--names-only")
     for p in res.expect_size_unmatched:
         con.print(f"[yellow]note[/]        : {EXPECT_OPTION} {shown(p)}={res.expect_size[p]} "
-                  "matched no set in DIR")
+                  f"matched no set in {_tier_word(res)}")
     for s in res.sets:
         con.print(_set_line(s, res.sizes_read))
         for f in s.flagged:
@@ -72,6 +77,22 @@ def render_scan(res: ScanReport, code: int) -> None:
         con.print(f"foreign{more:<5}: " + ", ".join(shown(n) for n in res.foreign_names))
     _quarantine_lines(con, res)
     _verdict(con, res, code)
+
+
+def _tier_word(res: ScanReport) -> str:
+    """How the lines name the tier: ``DIR`` for a directory."""
+    return "the tier" if isinstance(res, RedisScanReport) else "DIR"
+
+
+def _redis_head(con: Console, res: RedisScanReport) -> None:
+    r = res.redis
+    assert r is not None
+    con.print(f"tier        : {shown(res.dir)} (Redis {shown(r.server)})")
+    con.print(f"reader      : {shown(res.reader.detail)}")
+    vanished = f"; {res.vanished} vanished while listed" if res.vanished else ""
+    con.print(f"objects     : {res.objects} ({_size(res.bytes)}): {r.sealed} sealed "
+              f"({r.seal_prefix}), {r.unsealed} unsealed; {r.quarantined} quarantined "
+              f"({r.quarantine_prefix}); {res.foreign} foreign{vanished}")
 
 
 def _verify_lines(con: Console, res: ScanReport) -> None:
@@ -113,6 +134,9 @@ def _quarantine_lines(con: Console, res: ScanReport) -> None:
     q = res.quarantine
     if q is None:
         return
+    if isinstance(q, RedisQuarantineResult):
+        _redis_quarantine_lines(con, res, q)
+        return
     how = " (finished an interrupted run)" if q.resumed else ""
     con.print(f"quarantine  : moved {q.moved} object(s), {_size(q.moved_bytes)}, to "
               f"{shown(q.dest)}{how}; journal {shown(q.journal)}")
@@ -128,6 +152,25 @@ def _quarantine_lines(con: Console, res: ScanReport) -> None:
                   f"a re-scan ({parts}), e.g. {shown(example)}")
 
 
+def _redis_quarantine_lines(con: Console, res: ScanReport, q: RedisQuarantineResult) -> None:
+    con.print(f"quarantine  : moved {q.moved} object(s), {_size(q.moved_bytes)}: each key "
+              f"renamed to {q.prefix}KEY in {shown(res.dir)} (undo: patchtool l2 restore "
+              f"{shown(res.dir)} [KEY...])")
+    if q.refused:
+        con.print(f"[yellow]refused[/]     : {q.refused} object(s) left in the tier: a key "
+                  f"{q.prefix}KEY already exists "
+                  f"({', '.join(shown(n) for n in q.refused_names[:5])})")
+    if q.changed or q.vanished:
+        con.print(f"[yellow]not moved[/]   : {q.changed} object(s) written after they were "
+                  f"judged, {q.vanished} gone: the re-scan judged what is there now")
+    fin = res.final
+    if fin is not None and fin.flagged_objects:
+        parts = ", ".join(f"{c} {t.objects}" for c, t in fin.flagged.items() if t.objects)
+        example = next(iter(sorted(fin.examples.values())), "")
+        con.print(f"[red]left[/]        : {fin.flagged_objects} flagged object(s) in the tier "
+                  f"after a re-scan ({parts}), e.g. {shown(example)}")
+
+
 def _verdict(con: Console, res: ScanReport, code: int) -> None:
     fin = res.final
     if fin.flagged_objects:
@@ -137,7 +180,8 @@ def _verdict(con: Console, res: ScanReport, code: int) -> None:
         con.print(f"exit code {int(code)}: {fin.ambiguous_sets} ambiguous set(s) in "
                   f"{shown(res.dir)}, nothing flagged")
     elif res.sizes_read:
-        con.print("nothing flagged" + (" (DIR re-scanned)" if fin.rescanned else ""))
+        where = "tier" if isinstance(res, RedisScanReport) else "DIR"
+        con.print("nothing flagged" + (f" ({where} re-scanned)" if fin.rescanned else ""))
     else:
         con.print(f"nothing flagged by name ({UNPATCHED}, {SIZE_MISMATCH} and ambiguity not "
                   "judged: sizes not read)")
@@ -161,6 +205,9 @@ def _flag(f: Flag) -> str:
 
 def render_restore(res: RestoreResult, code: int) -> None:
     con = _console()
+    if isinstance(res, RedisRestoreResult):
+        _redis_restore(con, res, code)
+        return
     con.print(f"quarantine  : {shown(res.dest)}; journal {shown(res.journal)}")
     how = " (finished an interrupted run)" if res.resumed else ""
     into = ", ".join(shown(d) for d in res.dirs) or "-"
@@ -173,6 +220,19 @@ def render_restore(res: RestoreResult, code: int) -> None:
     if res.untracked:
         con.print(f"untracked   : {res.untracked} object(s) in DEST that no quarantine moved "
                   "there: left alone")
+    if code:
+        con.print(f"exit code {int(code)}")
+
+
+def _redis_restore(con: Console, res: RedisRestoreResult, code: int) -> None:
+    con.print(f"tier        : {shown(res.dest)}")
+    named = ", ".join(shown(n) for n in res.restored_names[:5])
+    con.print(f"restored    : {res.restored} object(s), {_size(res.restored_bytes)}, renamed "
+              f"back from lmcptq@KEY" + (f": {named}" if named else ""))
+    if res.kept:
+        con.print(f"[yellow]kept aside[/]  : {res.kept} object(s) left as lmcptq@KEY: a live key "
+                  f"of that name exists (the server stored it again, say), which stays: "
+                  f"{', '.join(shown(n) for n in res.kept_names[:5])}")
     if code:
         con.print(f"exit code {int(code)}")
 

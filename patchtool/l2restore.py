@@ -32,7 +32,7 @@ from .transaction import Lock
 @dataclass
 class RestoreResult:
     dest: str
-    journal: str
+    journal: str | None  # None: a tier whose moves keep no journal (Redis, patchtool.l2redismove)
     run: str | None  # None when there was nothing to restore (nothing written)
     resumed: bool  # finished an unfinished restore recorded in the journal
     dirs: list[str]  # where objects went back to

@@ -49,6 +49,7 @@ and into :func:`_judge`, or, for a per-object check, into
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .l2checksum import TRAILER_LEN
 from .l2names import SetKey, prefix_key
@@ -146,10 +147,13 @@ class Plan:
         return plan
 
 
-def categorize(t: Tally, reader: TierReader,
-               expect: Expectations | None = None) -> tuple[list[ObjectSet], Plan]:
+def categorize(t: Tally, reader: TierReader, expect: Expectations | None = None,
+               key_of: Callable[[str], SetKey] = prefix_key) -> tuple[list[ObjectSet], Plan]:
+    """The sets of one pass, judged for ``reader``, and what a quarantine may
+    move.  ``key_of`` parses a set prefix of the tier the pass read (the fs
+    names by default; ``TierSource.set_key``)."""
     expect = expect or {}
-    keys = {p: prefix_key(p) for p in t.sets}
+    keys = {p: key_of(p) for p in t.sets}
     refs = _namespaced_sizes(t, keys) if t.sizes_read else {}
     sets: list[ObjectSet] = []
     plan = Plan()

@@ -1,17 +1,18 @@
 """``patchtool l2 scan DIR``, the read-only part: one pass over the tier
-(``patchtool.l2tally``), judged for a reader (``patchtool.l2rules``), as a
-report; and :func:`final_state`, what DIR holds when a command that moved
-objects ends.  Nothing here writes.
+(``TierSource.tally``: ``patchtool.l2tally`` for a directory,
+``patchtool.l2redis`` for Redis), judged for a reader
+(``patchtool.l2rules``), as a report; and :func:`final_state`, what the tier
+holds when a command that moved objects ends.  Nothing here writes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .l2reader import TierReader
 from .l2rules import CATEGORIES, CORRUPT, Expectations, ObjectSet, Plan, categorize
-from .l2tally import UNKNOWN_SIZE, Tally, tally
+from .l2source import TierSource
+from .l2tally import UNKNOWN_SIZE, Tally
 from .l2verify import Checker, VerifyResult, verify
 
 
@@ -64,17 +65,17 @@ class FinalState:
     ambiguous_sets: int = 0
 
 
-def scan(path: Path, reader: TierReader, sizes: bool = True,
+def scan(tier: TierSource, reader: TierReader, sizes: bool = True,
          expect: Expectations | None = None, check: Checker | None = None) -> tuple[ScanResult, Plan]:
-    res, plan, _ = _scan(path, reader, sizes, expect or {}, check)
+    res, plan, _ = _scan(tier, reader, sizes, expect or {}, check)
     return res, plan
 
 
-def _scan(path: Path, reader: TierReader, sizes: bool, expect: Expectations,
+def _scan(tier: TierSource, reader: TierReader, sizes: bool, expect: Expectations,
           check: Checker | None = None) -> tuple[ScanResult, Plan, Tally]:
-    t = tally(path, sizes)
-    sets, plan = categorize(t, reader, expect)
-    checked = verify(path, reader, sets, plan, check) if check is not None else None
+    t = tier.tally(sizes)
+    sets, plan = categorize(t, reader, expect, tier.set_key)
+    checked = verify(tier, reader, sets, plan, check) if check is not None else None
     flagged = {c: Total(bytes=0 if sizes else None) for c in judged(sizes, check is not None)}
     for s in sets:
         for f in s.flagged:
@@ -83,7 +84,7 @@ def _scan(path: Path, reader: TierReader, sizes: bool, expect: Expectations,
                 flagged[f.category].bytes += f.bytes
     ambiguous = [s for s in sets if s.ambiguous]
     res = ScanResult(
-        str(path), reader, sizes, sum(s.objects for s in sets),
+        tier.where, reader, sizes, sum(s.objects for s in sets),
         sum(s.bytes for s in sets) if sizes else None, t.tmp_files, t.subdirs, t.foreign,
         t.foreign_names, t.vanished, dict(expect), sorted(set(expect) - set(t.sets)), sets,
         flagged, sum(v.objects for v in flagged.values()),
@@ -103,14 +104,14 @@ def as_final(res: ScanResult) -> FinalState:
                       res.ambiguous_sets)
 
 
-def final_state(path: Path, reader: TierReader, sizes: bool, expect: Expectations,
+def final_state(tier: TierSource, reader: TierReader, sizes: bool, expect: Expectations,
                 plans: list[Plan], check: Checker | None = None) -> FinalState:
     """Re-scan DIR after a quarantine.  An object counts as flagged if the
     fresh judgement flags it (objects stored while the command ran) or any
     plan of the run selected it (objects ``--only`` left out, a name
     collision refused, or ones whose evidence the run itself moved away).
     With ``check`` the re-scan verifies again (what is left is read anew)."""
-    res, fresh, t = _scan(path, reader, sizes, expect, check)
+    res, fresh, t = _scan(tier, reader, sizes, expect, check)
     flagged = {c: Total(bytes=0 if sizes else None) for c in judged(sizes, check is not None)}
     examples: dict[str, str] = {}
     for p, hist in t.sets.items():
@@ -131,10 +132,7 @@ def final_state(path: Path, reader: TierReader, sizes: bool, expect: Expectation
         for n, one in pl.names.items():
             named.setdefault(n, one)
     for n, (size, (cat, _k)) in sorted(named.items()):
-        try:
-            if (path / n).stat().st_size != size:
-                continue
-        except FileNotFoundError:
+        if tier.size_of(n) != size:
             continue
         tot = flagged.setdefault(cat, Total(bytes=0 if sizes else None))
         tot.objects += 1

@@ -60,7 +60,8 @@ def dir_entries(path: Path) -> Iterator[Iterator[os.DirEntry]]:
         os.close(fd)
 
 
-def _foreign(t: Tally, name: str) -> None:
+def add_foreign(t: Tally, name: str) -> None:
+    """Count a foreign name; keep the smallest :data:`FOREIGN_LISTED`, sorted."""
     t.foreign += 1
     names = t.foreign_names
     if len(names) < FOREIGN_LISTED or name < names[-1]:
@@ -74,13 +75,13 @@ def _not_an_object(t: Tally, entry: os.DirEntry, named_like_one: bool) -> None:
     touched.  Otherwise a directory is skipped (the adapter's tmp dir), as is
     a ``*.tmp`` file (a write in progress); the rest is foreign."""
     if named_like_one:
-        _foreign(t, entry.name)
+        add_foreign(t, entry.name)
     elif entry.is_dir(follow_symlinks=False):
         t.subdirs += 1
     elif entry.name.endswith(TMP_EXT):
         t.tmp_files += 1
     else:
-        _foreign(t, entry.name)
+        add_foreign(t, entry.name)
 
 
 def tally(path: Path, sizes: bool = True) -> Tally:

@@ -23,8 +23,11 @@ check wrote them; a checking reader refuses them and its next store rewrites
 them, a pristine reader cannot check them), trailers of an unknown version,
 and objects that vanished while checked (a live tier).
 
-Names are listed by a second ``scandir`` pass (the first keeps no per-file
-state), only in this mode, which reads every byte anyway.
+Names are listed by a second pass of the tier (``TierSource.candidates``:
+the first keeps no per-file state), only in this mode, which reads every
+byte anyway.  The checks are the same for every tier; what a Redis tier
+adds (a sealed key's promise of a trailer, the re-read of a value that
+failed) is in its checker, ``patchtool.l2redis``.
 """
 
 from __future__ import annotations
@@ -34,10 +37,9 @@ from pathlib import Path
 from typing import Callable
 
 from . import l2checksum as ck
-from .l2names import OBJECT_RE, prefix_key
 from .l2reader import TierReader
 from .l2rules import CORRUPT, Flag, ObjectSet, Plan
-from .l2tally import dir_entries
+from .l2source import TierSource
 
 # names -> {name: (verdict, detail)}; l2checksum.check bound to DIR and the target
 Checker = Callable[[list[str]], dict[str, tuple[str, str]]]
@@ -53,37 +55,11 @@ class VerifyResult:
     checked_with: str = ""
 
 
-def candidates(path: Path, reader: TierReader, plan: Plan) -> dict[str, tuple[str, int]]:
-    """name -> (set prefix, size) of every object the reader reads that the
-    size rules did not flag."""
-    out: dict[str, tuple[str, int]] = {}
-    readable: dict[str, bool] = {}
-    match = OBJECT_RE.fullmatch
-    with dir_entries(path) as it:
-        for entry in it:
-            m = match(entry.name)
-            if m is None or not entry.is_file(follow_symlinks=False):
-                continue
-            prefix = entry.name[:m.end(3)]
-            ok = readable.get(prefix)
-            if ok is None:
-                ok = readable[prefix] = reader.reads(prefix_key(prefix))
-            if not ok:
-                continue
-            try:
-                size = entry.stat(follow_symlinks=False).st_size
-            except FileNotFoundError:
-                continue
-            if plan.select(prefix, size) is None:
-                out[entry.name] = (prefix, size)
-    return out
-
-
-def verify(path: Path, reader: TierReader, sets: list[ObjectSet], plan: Plan,
+def verify(tier: TierSource, reader: TierReader, sets: list[ObjectSet], plan: Plan,
            check: Checker) -> VerifyResult:
-    """Check every candidate; add ``corrupt`` flags to ``sets`` and their
-    names to ``plan``."""
-    todo = candidates(path, reader, plan)
+    """Check every candidate (``tier.candidates``); add ``corrupt`` flags to
+    ``sets`` and their names to ``plan``."""
+    todo = tier.candidates(reader, plan)
     verdicts = check(sorted(todo))
     res = VerifyResult(checked=len(verdicts))
     verified_sizes: dict[str, set[int]] = {}
