@@ -56,7 +56,7 @@ from geometry_evidence import REPO, VERSIONS, gate_presets, gate_report, write_e
 import provision  # noqa: E402
 from vllm_cells import patches_sha256, stacked_patches  # noqa: E402
 
-from restore_gate import l2_objects  # noqa: E402
+from lmcache_patchtool_verify.gate_server import l2_objects  # noqa: E402
 from lmcache_patchtool_verify.tier_objects import has_trailer, kv_bytes  # noqa: E402
 from lmcache_patchtool_verify import geometry  # noqa: E402
 from lmcache_patchtool_verify.xver_outcome import preset as gate_preset  # noqa: E402

@@ -73,6 +73,7 @@ from lmcache_patchtool_verify import engine_scenarios as es  # noqa: E402
 from lmcache_patchtool_verify import model_head  # noqa: E402 - stdlib (the head check)
 from lmcache_patchtool_verify import kv_cache_access  # noqa: E402 - stdlib (vLLM 0.34 on CUDA)
 from lmcache_patchtool_verify import procs  # noqa: E402
+from lmcache_patchtool_verify.l2_tier import RespTier  # noqa: E402 - stdlib; redis-py only when used
 
 SCHEMA = "lmcache-patchtool/engine-gate/1"
 LOG_PREFIX = "[engine-gate]"
@@ -166,8 +167,12 @@ class GateConfig:
     # the prefill-with-context kernels run once before the first timed request)
     warmup: str = "short"
     # test hook: a shell command run after the store arm is down and before the restore arm
-    # starts, with $GATE_L2_DIR set (the negative-control tests corrupt stored objects with it)
+    # starts, with $GATE_L2_DIR set (the negative-control tests corrupt stored objects with it) and
+    # $GATE_REDIS_URL with redis_url
     between_arms_cmd: str | None = None
+    # a shared Redis tier (LMCache's resp adapter) instead of the fs directory: the store arm is
+    # node A, the restore arm (new engine, new server) node B; nothing but Redis is shared
+    redis_url: str | None = None
     # commands
     vllm_cmd: str | None = None
     lmcache_cmd: str | None = None
@@ -743,7 +748,7 @@ class GateRun:
         if self.cfg.between_arms_cmd:
             import subprocess  # noqa: PLC0415
 
-            env = dict(os.environ, GATE_L2_DIR=self.l2_dirs["main"])
+            env = dict(os.environ, GATE_L2_DIR=self.l2_dirs["main"], GATE_REDIS_URL=self.cfg.redis_url or "")
             res = subprocess.run(self.cfg.between_arms_cmd, shell=True, env=env, capture_output=True, text=True)
             self.note("STORE_DOWN", f"between-arms command exited {res.returncode}: "
                                     f"{(res.stdout + res.stderr).strip()[-300:]}")
@@ -1028,7 +1033,8 @@ class GateRun:
         c = self.cfg
         st = gs.LMCacheSettings(host=c.host, port=self.ports["lmcache"], http_port=self.ports["lmcache_http"],
                                 chunk_size=c.resolved_chunk(), l1_size_gb=c.l1_size_gb, l2_dir=l2_dir,
-                                extra_args=tuple(c.lmcache_extra_args), transfer_mode=c.transfer_mode or None)
+                                extra_args=tuple(c.lmcache_extra_args), transfer_mode=c.transfer_mode or None,
+                                l2_adapter=RespTier.from_url(c.redis_url).adapter_json() if c.redis_url else None)
         argv = gs.lmcache_argv(prefix, st)
         self._start(f"lmcache-{role}", role, argv,
                     procs.http_probe(f"http://{c.host}:{self.ports['lmcache_http']}/healthcheck"),
@@ -1292,8 +1298,12 @@ class GateRun:
         while True:
             snap = self._metrics(self._lmcache_url(), gm.LMCACHE)
             sub, done = snap.values.get("l2_store_submitted"), snap.values.get("l2_store_completed")
-            files = [f for f in Path(l2_dir).rglob("*") if f.is_file()]
-            size = sum(f.stat().st_size for f in files)
+            if self.cfg.redis_url:  # the gate's own Redis: every key is this run's
+                objs = RespTier.from_url(self.cfg.redis_url).all_objects()
+                files, size = objs, sum(o.size for o in objs)
+            else:
+                files = [f for f in Path(l2_dir).rglob("*") if f.is_file()]
+                size = sum(f.stat().st_size for f in files)
             state = (sub, done, len(files), size)
             settled = bool(files) and (done is None or (done > 0 and (sub is None or done >= sub)))
             now = time.monotonic()
@@ -1535,7 +1545,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request answered before anything is timed on every engine start: short (default) | "
                         "context (a two-block prompt twice, so the prefill-with-context path has run once)")
     g.add_argument("--between-arms-cmd", help="shell command run between the store and restore arms with "
-                                              "$GATE_L2_DIR set (negative controls: corrupt stored objects)")
+                                              "$GATE_L2_DIR set, and $GATE_REDIS_URL with --redis-url "
+                                              "(negative controls: corrupt stored objects)")
+    g.add_argument("--redis-url", metavar="redis://HOST:PORT",
+                   help="a shared Redis tier (LMCache's resp adapter) instead of the fs directory: the store "
+                        "arm is node A, the restore arm node B (new engine, new server; only Redis is shared). "
+                        "The gate owns that Redis: it counts every key as its own")
     g = ap.add_argument_group("geometry used to place keys")
     g.add_argument("--block-size", type=int, help="expected vLLM logical block N (default: gpu 544; cpu: asked "
                                                   "of the engine's own code, it depends on the CPU)")
@@ -1638,6 +1653,17 @@ def config_from_args(ns: argparse.Namespace) -> GateConfig:
         kw["gdn_prefill_backend"] = ""
     if kw.get("transfer_mode") is not None and kw["transfer_mode"].lower() in ("none", ""):
         kw["transfer_mode"] = ""
+    if kw.get("redis_url"):
+        try:
+            RespTier.from_url(kw["redis_url"])
+        except ValueError as exc:
+            raise SystemExit(f"--redis-url {exc}") from None
+        # these read or change the fs directory by path
+        for opt, on in (("--followup", kw.get("followups")), ("--server-restart", kw.get("server_restart")),
+                        ("a control arm", kw.get("control_venv") or kw.get("control_lmcache_overlay")
+                         or kw.get("control_vllm_cmd") or kw.get("control_lmcache_cmd"))):
+            if on:
+                raise SystemExit(f"--redis-url: {opt} works on the fs tier only; leave it out")
     return GateConfig(**kw)
 
 

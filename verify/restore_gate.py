@@ -10,16 +10,18 @@ it)::
 Per server cycle (presets that share a chunk size share one):
 
 1. start ``<venv>/bin/lmcache server`` on 127.0.0.1 (free ZMQ/HTTP ports), L1
-   plus an ``fs`` L2 in a fresh temporary directory, ``lmcache_driven``
+   plus an ``fs`` L2 in a fresh temporary directory (or, with ``--redis-url``,
+   LMCache's ``resp`` adapter on that Redis server), ``lmcache_driven``
    transfers; ready when ``GET /healthcheck`` answers ``{"status": "healthy"}``;
 2. per preset, a client (LMCache's own vLLM scheduler + worker adapters)
    registers CPU KV caches in vLLM 0.27.1's geometry, fills them AFTER
    registration (the server maps the same shared memory), looks the prompt up
    (a miss, as vLLM does first), stores a multi-chunk request, ends the session;
-3. waits until every chunk is a ``.data`` file in the L2 directory;
+3. waits until every chunk is a ``.data`` file in the L2 directory (a key in Redis);
 4. SIGKILLs the server's process group, reaps it, verifies it is gone and
    removes its L1 shared-memory segment;
-5. starts a fresh server on the same ports and L2 directory;
+5. starts a fresh server on the same ports and L2 directory (on a Redis tier:
+   another node, a server on other ports over the same Redis);
 6. per preset, a FRESH client registers fresh caches, poisons them, looks up
    (the server prefetches from L2; L1/L2 split read from the server's log),
    retrieves into DIFFERENT block ids and compares byte for byte per chunk,
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -54,11 +57,12 @@ from lmcache_patchtool_verify import geometry, procs, tier_objects
 from lmcache_patchtool_verify.gate_env import quiet_library_output, versions
 from lmcache_patchtool_verify.gate_plan import GateError, PresetRun, json_infos, plan_cycles
 from lmcache_patchtool_verify.gate_server import (HEALTH_PATH, ServerSpec, await_server, kill_server,
-                                                  l2_adapters_status, l2_objects, launch_server, object_groups,
+                                                  l2_adapters_status, launch_server, object_groups,
                                                   server_lmcache_dir)
+from lmcache_patchtool_verify.l2_tier import RespTier, Tier, listing, tier_of
 from lmcache_patchtool_verify.gate_verdict import preset_report
 from lmcache_patchtool_verify.xver_outcome import preset as gate_preset
-from lmcache_patchtool_verify.xver_state import STATE_SCHEMA, expected_digest, l2_listing
+from lmcache_patchtool_verify.xver_state import STATE_SCHEMA, expected_digest
 
 SCHEMA = 1
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
@@ -98,6 +102,33 @@ class Display:
     def verdict(self, text: str, passed: bool | None) -> None:
         colour = {True: "32;1", False: "31;1", None: "33;1"}[passed]
         self.line(self._c(text, colour))
+
+
+# LMCache's CPU clients put their KV caches in POSIX shared memory named
+# /lmcache_kv_<pid>_<n> (platform/cpu/shm.py) and create it exclusively.  A
+# segment with this process's pid was left by a dead process that had the
+# same pid (pids wrap at pid_max): the first register would fail with
+# FileExistsError, so the gate refuses before starting anything.
+STALE_SHM = "stale shared-memory segments named for pid"
+
+
+def stale_client_segments(shm: Path = Path("/dev/shm")) -> list[str]:
+    """Segments named like this process's LMCache CPU clients' that it did not make."""
+    return sorted(p.name for p in shm.glob(f"lmcache_kv_{os.getpid()}_*"))
+
+
+# LMCache's native connector clients (RESP, ...) print one line per failed key
+# load to the server's output, e.g. "[LMCache GET] key K failed: buffer size
+# mismatch": the server's own account of why a stored object was a miss.
+_NATIVE_GET_FAILED = re.compile(r"\[LMCache GET\] key \S+ failed: (.+?)\s*$", re.MULTILINE)
+
+
+def native_get_failures(server_log: str) -> dict[str, int]:
+    """Failed native-client key loads in a server's log, by reason."""
+    out: dict[str, int] = {}
+    for reason in _NATIVE_GET_FAILED.findall(server_log):
+        out[reason] = out.get(reason, 0) + 1
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -141,6 +172,11 @@ class Gate:
 
     def run(self) -> None:
         args = self.args
+        stale = stale_client_segments()
+        if stale:
+            raise GateError(f"{STALE_SHM} {os.getpid()}: {', '.join(stale[:3])}"
+                            + (f" (+{len(stale) - 3})" if len(stale) > 3 else "")
+                            + "; this process's clients would collide with them (run again: another pid)")
         if args.phase == "restore":
             self._run_restore_phase()
             return
@@ -171,14 +207,14 @@ class Gate:
     def _l1_gb(self, runs: list[PresetRun]) -> float:
         return self.args.l1_size_gb or max(1.0, 2.5 * sum(r.full_object_bytes() * r.chunks for r in runs) / 2**30)
 
-    def _start_server(self, cycle: dict[str, Any], chunk: int, l1_gb: float, l2_dir: Path, workdir: Path,
+    def _start_server(self, cycle: dict[str, Any], chunk: int, l1_gb: float, tier: Tier, workdir: Path,
                       label: str, timing: str) -> tuple[procs.ManagedProcess, ServerSpec]:
         """A server on fresh ports (retried if a port was taken meanwhile)."""
         with self.phase(cycle, timing):
             for attempt in range(3):
                 zp, hp = procs.free_ports(2)
-                spec = ServerSpec(zp, hp, chunk, round(l1_gb, 2), l2_dir, workdir,
-                                  transfer_mode=self.args.transfer_mode)
+                spec = ServerSpec(zp, hp, chunk, round(l1_gb, 2), Path(tier.describe()), workdir,
+                                  transfer_mode=self.args.transfer_mode, l2_adapter=tier.adapter_json())
                 server = launch_server(self.sup, spec, label)
                 cycle["servers"].append(server.describe())
                 self._import_client()  # torch + lmcache load while the server boots
@@ -211,9 +247,9 @@ class Gate:
                        f"({r.stored_tokens} tokens, {r.blocks_per_chunk} blocks/chunk, k={r.geo.k})",
                        st["seconds"], st["ok"])
 
-    def _flush(self, cycle: dict[str, Any], runs: list[PresetRun], l2_dir: Path,
+    def _flush(self, cycle: dict[str, Any], runs: list[PresetRun], tier: Tier,
                server: procs.ManagedProcess) -> None:
-        """Wait until every chunk is a finished object in the L2 directory."""
+        """Wait until every chunk is a finished object in the L2 tier."""
         with self.phase(cycle, "flush_to_disk"):
             t0 = time.monotonic()
             log = procs.ansi_strip(server.log_text())
@@ -221,8 +257,7 @@ class Gate:
 
             def flushed() -> bool:
                 self._alive_or_die(server)
-                return all(len(l2_objects(l2_dir, m)) >= c for m, c in want.items()) \
-                    and not list(l2_dir.glob("*.tmp"))
+                return all(len(tier.objects(m)) >= c for m, c in want.items()) and not tier.unfinished()
 
             try:
                 procs.wait_until(flushed, self.args.step_timeout, poll=0.02, what="every chunk on disk")
@@ -231,21 +266,21 @@ class Gate:
                 flushed_ok = False
             for r in runs:
                 if not r.error:
-                    r.result["on_disk"] = self._on_disk(r, l2_dir, want[r.model])
-            self.d.step(f"L2 flushed: {sum(len(l2_objects(l2_dir, m)) for m in want)}/{sum(want.values())} "
-                        f"objects on disk in {l2_dir}", time.monotonic() - t0, flushed_ok)
+                    r.result["on_disk"] = self._on_disk(r, tier, want[r.model])
+            self.d.step(f"L2 flushed: {sum(len(tier.objects(m)) for m in want)}/{sum(want.values())} "
+                        f"objects in {tier.describe()}", time.monotonic() - t0, flushed_ok)
 
     @staticmethod
-    def _on_disk(r: PresetRun, l2_dir: Path, expected: int) -> dict[str, Any]:
-        """What one preset left in the fs L2: object count and sizes."""
-        objs = l2_objects(l2_dir, r.model)
-        # KV bytes: a patched build's file also holds a 64-byte checksum trailer
-        sizes = sorted({tier_objects.kv_len(p) for p in objs})
+    def _on_disk(r: PresetRun, tier: Tier, expected: int) -> dict[str, Any]:
+        """What one preset left in the L2 tier: object count and sizes."""
+        objs = tier.objects(r.model)
+        # KV bytes: a patched build's object also holds a 64-byte checksum trailer
+        sizes = sorted({o.kv_len for o in objs})
         return {"objects": len(objs), "expected": expected, "object_bytes": sizes,
-                "checksum_trailers": sum(tier_objects.has_trailer(p) for p in objs),
+                "checksum_trailers": sum(o.sealed for o in objs),
                 "full_fidelity_object_bytes": r.full_object_bytes(),
                 "fraction_of_full": (sizes[0] / r.full_object_bytes()) if sizes else None,
-                "model_fields": l2_listing(objs)}
+                "model_fields": listing(objs)}
 
     def _kill(self, cycle: dict[str, Any], server: procs.ManagedProcess, label: str) -> dict[str, Any]:
         with self.phase(cycle, "kill"):
@@ -257,9 +292,15 @@ class Gate:
                     time.monotonic() - t_kill, kill["group_gone"] and kill["l1_shm_removed"])
         return kill
 
-    def _restart(self, cycle: dict[str, Any], spec: ServerSpec, t_kill: float) -> tuple[procs.ManagedProcess, float]:
-        """Server B on the same ports and L2 directory; the restart window since the kill."""
+    def _restart(self, cycle: dict[str, Any], spec: ServerSpec, t_kill: float
+                 ) -> tuple[procs.ManagedProcess, ServerSpec, float]:
+        """Server B on the same ports and L2 directory (a Redis tier: another node,
+        on other ports, over the same Redis); the restart window since the kill."""
         args = self.args
+        if args.redis_url:
+            zp, hp = procs.free_ports(2)
+            spec = ServerSpec(zp, hp, spec.chunk_size, spec.l1_size_gb, spec.l2_dir, spec.workdir,
+                              transfer_mode=spec.transfer_mode, l2_adapter=spec.l2_adapter)
         with self.phase(cycle, "server_start_2"):
             server = launch_server(self.sup, spec, "B", pythonpath=args.restart_pythonpath)
             cycle["servers"].append(server.describe())
@@ -272,10 +313,12 @@ class Gate:
         cycle["restart_window_s"] = round(restart_window, 3)
         cycle["servers"][-1] = self._server_desc(server, spec, "B")
         other = cycle["servers"][-1]["lmcache_dir"] if args.restart_pythonpath else None
-        self.d.step(f"server B up on the same ports and L2 dir: pid {server.pid} "
+        where = (f"another node ({spec.zmq_url}) over {args.redis_url}" if args.redis_url
+                 else "the same ports and L2 dir")
+        self.d.step(f"server B up on {where}: pid {server.pid} "
                     f"(restart window {restart_window:.1f} s)" + (f", lmcache from {other}" if other else ""),
                     server.ready_at - server.started_at)
-        return server, restart_window
+        return server, spec, restart_window
 
     def _restore_all(self, cycle: dict[str, Any], runs: list[PresetRun], spec: ServerSpec,
                      server: procs.ManagedProcess) -> None:
@@ -314,17 +357,24 @@ class Gate:
         l2_dir = workdir / "l2"
         l2_dir.mkdir()
         cycle["workdir"] = str(workdir)
+        tier = tier_of(l2_dir, self.args.redis_url)
         # 1.-3. first server, store, every chunk on disk
-        server, spec = self._start_server(cycle, chunk, self._l1_gb(runs), l2_dir, workdir, "A", "server_start_1")
+        server, spec = self._start_server(cycle, chunk, self._l1_gb(runs), tier, workdir, "A", "server_start_1")
         self._store_all(cycle, runs, spec, server, "restore-gate")
-        self._flush(cycle, runs, l2_dir, server)
+        self._flush(cycle, runs, tier, server)
+        if self.args.redis_url:
+            # Node A's clients go with node A (server B is another node): closed
+            # while their server is up, as a clean shutdown of that node would.
+            self._close_first_clients(runs)
         # 4. hard kill
         t_kill = time.monotonic()
         self._kill(cycle, server, "A")
-        # 5. fresh server on the same ports and L2 directory
-        server, restart_window = self._restart(cycle, spec, t_kill)
+        # 5. fresh server on the same ports and L2 directory (Redis: another node)
+        server, spec, restart_window = self._restart(cycle, spec, t_kill)
         # 6. fresh client: look up, prefetch from L2, retrieve elsewhere, compare
         self._restore_all(cycle, runs, spec, server)
+        if isinstance(tier, RespTier):
+            cycle["l2_adapters_status"] = l2_adapters_status(spec)
         # 7. optional: the worker that stayed alive across the restart
         self._stay_alive_arm(cycle, runs, server, restart_window)
         with self.phase(cycle, "shutdown"):
@@ -337,17 +387,21 @@ class Gate:
         cycle = self._new_cycle(n, chunk, runs)
         workdir = self.sup.tempdir(prefix="lmcache-xver-store-")
         cycle["workdir"] = str(workdir)
-        l2_dir = Path(args.l2_dir)
-        server, spec = self._start_server(cycle, chunk, self._l1_gb(runs), l2_dir, workdir, "W", "server_start_1")
+        tier = tier_of(args.l2_dir, args.redis_url)
+        server, spec = self._start_server(cycle, chunk, self._l1_gb(runs), tier, workdir, "W", "server_start_1")
         self._store_all(cycle, runs, spec, server, args.model_prefix)
-        self._flush(cycle, runs, l2_dir, server)
-        # Close the writer's clients while their server is up: closing one whose
-        # server is gone hangs in the adapter's shutdown.  Every chunk is on disk.
+        self._flush(cycle, runs, tier, server)
+        self._close_first_clients(runs)
+        self._kill(cycle, server, "W")
+
+    @staticmethod
+    def _close_first_clients(runs: list[PresetRun]) -> None:
+        """Close the storing clients while their server is up: closing one whose
+        server is gone hangs in the adapter's shutdown.  Every chunk is stored."""
         for r in runs:
             if r.client1 is not None:
                 r.client1.close(graceful=True)
                 r.client1 = None
-        self._kill(cycle, server, "W")
 
     def _write_state(self) -> None:
         """The state file a reader phase needs to restore and judge these stores."""
@@ -362,6 +416,7 @@ class Gate:
                      "stored": r.result.get("stored"), "on_disk": r.result.get("on_disk")}
             entries.append(entry)
         state = {"schema": STATE_SCHEMA, "writer": self.args.model_prefix, "l2_dir": str(self.args.l2_dir),
+                 "redis_url": self.args.redis_url,
                  "versions": versions(), "presets": entries}
         Path(self.args.state_out).write_text(json.dumps(state, indent=1) + "\n")
 
@@ -385,24 +440,30 @@ class Gate:
 
     def _run_restore_phase(self) -> None:
         """--phase restore: per chunk size, one fresh server over ``--l2-dir`` and a
-        fresh client per stored (writer, preset) of every ``--state-in``."""
+        fresh client per stored (writer, preset) of every ``--state-in``; with
+        ``--server-per-request`` a fresh server for each of those instead."""
         by_chunk = self._load_states()
-        l2_dir = Path(self.args.l2_dir)
+        tier = tier_of(self.args.l2_dir, self.args.redis_url)
+        groups = [(chunk, runs) for chunk, runs in by_chunk.items()]
+        if self.args.server_per_request:
+            groups = [(chunk, [r]) for chunk, runs in groups for r in runs]
         with procs.Supervisor(keep_paths=self.args.keep_tmp) as sup:
             self.sup = sup
-            for n, (chunk, runs) in enumerate(by_chunk.items(), 1):
-                self.d.head(f"[cycle {n}/{len(by_chunk)}] chunk size {chunk} tokens: "
+            for n, (chunk, runs) in enumerate(groups, 1):
+                self.d.head(f"[cycle {n}/{len(groups)}] chunk size {chunk} tokens: "
                             + ", ".join(f"{r.writer}/{r.geo.name}" for r in runs))
                 cycle = self._new_cycle(n, chunk, runs)
+                cycle["requests"] = [{"writer": r.writer, "preset": r.geo.name} for r in runs]
                 workdir = sup.tempdir(prefix="lmcache-xver-restore-")
                 cycle["workdir"] = str(workdir)
-                server, spec = self._start_server(cycle, chunk, self._l1_gb(runs), l2_dir, workdir, "R",
+                server, spec = self._start_server(cycle, chunk, self._l1_gb(runs), tier, workdir, "R",
                                                   "server_start_2")
                 for r in runs:
                     if not r.error:
-                        r.result["on_disk"] = {"model_fields": l2_listing(l2_objects(l2_dir, r.model))}
+                        r.result["on_disk"] = {"model_fields": listing(tier.objects(r.model))}
                 self._restore_all(cycle, runs, spec, server)
                 cycle["l2_adapters_status"] = l2_adapters_status(spec)
+                cycle["native_get_failures"] = native_get_failures(server.log_text())
                 with self.phase(cycle, "shutdown"):
                     cycle["servers"][-1]["kill"] = kill_server(server)
             self.cleanup_errors = sup.cleanup_errors
@@ -507,6 +568,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="register through the installed connector's own kv_cache_group_edits (0.5.6 re-views a "
                          "hybrid's sub-paged attention); default: on with --phase store/restore, off otherwise")
     ap.add_argument("--l2-dir", metavar="DIR", help="--phase store/restore: the persistent fs L2 directory")
+    ap.add_argument("--redis-url", metavar="redis://HOST:PORT",
+                    help="a shared Redis tier instead of fs: the servers use LMCache's resp adapter on it (the "
+                         "server after the kill is another node on other ports); with --phase store/restore it "
+                         "replaces --l2-dir. The gate writes keys of its own random model names there")
+    ap.add_argument("--server-per-request", action="store_true",
+                    help="--phase restore: a fresh server for each stored (writer, preset) request instead of one "
+                         "per chunk size, so no request's loads can affect another's (a pristine native RESP "
+                         "client fails every later load after one of a value of another size)")
     ap.add_argument("--state-out", metavar="PATH", help="--phase store: where to write the state for readers")
     ap.add_argument("--state-in", action="append", metavar="PATH",
                     help="--phase restore: a writer's state file (repeatable: writers use distinct model names)")
@@ -552,11 +621,21 @@ def _check_phase_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> 
         ap.error("--chunks and --chunk-blocks must be >= 1")
     if args.copies < 1 or (args.copies > 1 and args.phase != "store"):
         ap.error("--copies N (N >= 1) is for --phase store")
+    if args.server_per_request and args.phase != "restore":
+        ap.error("--server-per-request is for --phase restore")
     if args.connector_edits is None:
         args.connector_edits = args.phase != "both"
+    if args.redis_url:
+        try:
+            RespTier.from_url(args.redis_url)
+        except ValueError as exc:
+            ap.error(f"--redis-url {exc}")
+        if args.l2_dir:
+            ap.error("--redis-url and --l2-dir name two tiers; give one")
     if args.phase != "both":
-        if not args.l2_dir or not Path(args.l2_dir).is_dir():
-            ap.error(f"--phase {args.phase} needs --l2-dir, an existing directory (got {args.l2_dir!r})")
+        if not args.redis_url and (not args.l2_dir or not Path(args.l2_dir).is_dir()):
+            ap.error(f"--phase {args.phase} needs --l2-dir, an existing directory (got {args.l2_dir!r}), "
+                     "or --redis-url")
         if args.phase == "store" and not args.state_out:
             ap.error("--phase store needs --state-out")
         if args.phase == "restore" and not args.state_in:
@@ -650,7 +729,9 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed, "stay_alive": args.stay_alive,
             "restart_pythonpath": args.restart_pythonpath, "phase": args.phase,
             "connector_edits": args.connector_edits,
-            "l2_dir": args.l2_dir, "state_in": args.state_in, "state_out": args.state_out,
+            "l2_dir": args.l2_dir, "redis_url": args.redis_url,
+            "state_in": args.state_in, "state_out": args.state_out,
+            "server_per_request": args.server_per_request,
             "window_rule": args.window_rule,
             "restart_window_rule": args.restart_window_rule or args.window_rule,
             "heartbeat_interval": args.heartbeat_interval}

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cross-version gate: one persistent fs disk tier across LMCache upgrades and patch switches.
+"""Cross-version gate: one persistent L2 tier (fs, or one shared Redis) across LMCache upgrades and patch switches.
 
 Runs in any Python 3.11 with no torch (it never imports lmcache): it provisions
 the environments with ``scripts/provision.py`` and runs ``verify/restore_gate.py``
@@ -33,8 +33,13 @@ Examples::
     python3 verify/xver_gate.py --pairs 0.5.5-patched:0.5.6-pristine --presets qwen35-0.8b --chunk-blocks 1
 
 Exit code: 0 every cell as expected, 1 a cell differs from expected_outcome
-(a wrong hit where none is allowed, a miss where an exact hit is required, ...),
+(a wrong hit where none is allowed, a miss where an exact hit is required, ...)
+or a patched reader wrote over a writer's object on the shared Redis tier,
 2 the gate could not run (a phase errored).  Progress on stderr.
+
+``--tier redis`` / ``--redis-url``: every writer and reader on ONE Redis
+server (LMCache's resp adapter), see docs/xver-gate.md "Over a shared Redis
+tier"; ``lmcache_patchtool_verify/xver_share.py`` owns fs vs Redis.
 """
 
 from __future__ import annotations
@@ -54,9 +59,14 @@ sys.path.insert(0, str(REPO / "verify"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import provision  # noqa: E402
+from lmcache_patchtool_verify.l2_tier import RespTier  # noqa: E402
+from lmcache_patchtool_verify.redis_proc import RedisServer, RedisStartError, start_redis_server  # noqa: E402
 from lmcache_patchtool_verify.xver_outcome import (  # noqa: E402
-    ALL_BUILDS, CHUNK_BLOCKS, PRESETS, Build, byte_class, expected_outcome, is_upstream, matrix_markdown,
+    ALL_BUILDS, CHUNK_BLOCKS, PRESETS, TIERS, Build, byte_class, expected_outcome, is_upstream, matrix_markdown,
     namespace, predicted_outcome,
+)
+from lmcache_patchtool_verify.xver_share import (  # noqa: E402
+    FsShare, RedisShare, Share, XverShareError, command_delta, fingerprint_diff, models_of,
 )
 
 GATE = REPO / "verify" / "restore_gate.py"
@@ -140,7 +150,24 @@ def build_env(build: Build) -> tuple[Path, Path]:
 
 
 def run_phase(build: Build, args: list[str], log: Path, timeout: float) -> dict[str, Any]:
-    """One restore_gate phase in the build's environment; its JSON report."""
+    """One restore_gate phase in the build's environment; its JSON report.
+    Run once more (another process, another pid) when the phase refused to
+    start because shared-memory segments of a dead process with its pid were
+    left behind (restore_gate.STALE_SHM)."""
+    try:
+        return _run_phase(build, args, log, timeout)
+    except XverError as exc:
+        if STALE_SHM not in str(exc):
+            raise
+        log.rename(log.with_suffix(".stale-shm.log"))
+        return _run_phase(build, args, log, timeout)
+
+
+# restore_gate.STALE_SHM (not imported: restore_gate needs the target environment)
+STALE_SHM = "stale shared-memory segments named for pid"
+
+
+def _run_phase(build: Build, args: list[str], log: Path, timeout: float) -> dict[str, Any]:
     py, ov = build_env(build)
     report = log.with_suffix(".json")
     env = dict(os.environ, PYTHONPATH=str(ov), NO_COLOR="1")
@@ -162,32 +189,49 @@ def run_phase(build: Build, args: list[str], log: Path, timeout: float) -> dict[
 # ---------------------------------------------------------------------------
 
 
-def link_tree(src: Path, dst: Path) -> None:
-    """Hard-link every file of ``src`` into ``dst`` (the fs adapter writes via
-    tmp + rename, so a reader can never change a writer's inode in place)."""
-    for p in src.iterdir():
-        if p.is_file():
-            os.link(p, dst / p.name)
+READER_SERVERS = ("auto", "shared", "per-request")
 
 
-def fingerprint(d: Path) -> dict[str, tuple[int, int]]:
-    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in d.iterdir() if p.is_file()}
+def reader_server_mode(choice: str, tier: str, reader: Build) -> str:
+    """``shared`` (one reader server per chunk size serves every writer) or
+    ``per-request`` (a fresh one per stored (writer, preset) request).
+
+    auto: per-request for a pristine reader on Redis, shared otherwise.  Once
+    a pristine build's native RESP client has met a value of another size
+    ("GET: size header mismatch"), the server finds nothing more on that
+    Redis (measured: a pristine 0.5.6 server then misses even its own
+    objects, with no further log line), so on a shared server a pristine
+    cell would depend on which writers' loads went before it.  A
+    patched reader never meets one here (sealed, layout-namespaced keys: one
+    size per key), and serving every writer from one server is the stronger
+    test of that.
+    """
+    if choice != "auto":
+        return choice
+    return "per-request" if tier == "redis" and reader.state == "pristine" else "shared"
 
 
 def run_matrix(pairs: list[tuple[Build, Build]], presets: list[str], chunk_blocks: list[int], work: Path,
-               chunks: int, seed: int, timeout: float, say) -> dict[str, Any]:
+               chunks: int, seed: int, timeout: float, say, share: Share,
+               reader_servers: str = "auto") -> dict[str, Any]:
+    """Every writer stores once per chunk size, every reader restores all its
+    writers' stores in one phase; ``share`` puts the stores in front of the
+    readers (fs: hard-linked copies; redis: the one shared server) and proves
+    afterwards that no reader changed what its writers left."""
     writers = sorted({w for w, _ in pairs})
     timings: dict[str, Any] = {"writers": {}, "readers": {}}
+    readers_info: dict[str, Any] = {}
     cells: list[dict[str, Any]] = []
     preset_args = [a for p in presets for a in ("--preset", p)]
     for cb in chunk_blocks:
         states: dict[Build, Path] = {}
         stored: dict[Build, dict[str, Any]] = {}
+        models: dict[Build, list[str]] = {}
         for w in writers:
             wdir = work / f"w-{w.label}-cb{cb}"
-            (wdir / "l2").mkdir(parents=True)
+            tier_args = share.writer_args(wdir)
             t0 = time.monotonic()
-            rep = run_phase(w, ["--phase", "store", "--l2-dir", str(wdir / "l2"), "--state-out",
+            rep = run_phase(w, ["--phase", "store", *tier_args, "--state-out",
                                 str(wdir / "state.json"), "--model-prefix", f"xver-w{w.label}",
                                 "--chunk-blocks", str(cb), "--chunks", str(chunks), "--seed", str(seed),
                                 *preset_args], wdir / "store.log", timeout)
@@ -197,31 +241,84 @@ def run_matrix(pairs: list[tuple[Build, Build]], presets: list[str], chunk_block
                 raise XverError(f"writer {w.label} cb{cb}: {rep['reason']}")
             states[w] = wdir
             stored[w] = {p["preset"]: p for p in rep["presets"]}
+            models[w] = models_of(json.loads((wdir / "state.json").read_text()))
+            summary = share.keys_summary(models[w])
+            if summary is not None:
+                for p in stored[w].values():
+                    p["tier_keys"] = summary.get(p.get("model_name") or "")
             say(f"writer {w.label:16} cb{cb}: stored {len(presets)} presets in {dt:.1f} s")
         readers = sorted({r for _, r in pairs})
+        share.protect([m for w in writers for m in models[w]])
         for r in readers:
             ws = [w for w, rr in pairs if rr == r]
             rdir = work / f"r-{r.label}-cb{cb}"
-            (rdir / "l2").mkdir(parents=True)
-            before = {w: fingerprint(states[w] / "l2") for w in ws}
-            for w in ws:
-                link_tree(states[w] / "l2", rdir / "l2")
+            before = {w: share.fingerprint(states[w], models[w]) for w in ws}
+            tier_args = share.reader_args(rdir, [states[w] for w in ws])
+            state_before = share.reader_state(rdir, before)
+            mode = reader_server_mode(reader_servers, share.tier, r)
+            if mode == "per-request":
+                tier_args.append("--server-per-request")
+            commands_before = share.command_counts()
             t0 = time.monotonic()
-            rep = run_phase(r, ["--phase", "restore", "--l2-dir", str(rdir / "l2"),
+            rep = run_phase(r, ["--phase", "restore", *tier_args,
                                 *[a for w in ws for a in ("--state-in", str(states[w] / "state.json"))]],
                             rdir / "restore.log", timeout)
             dt = time.monotonic() - t0
+            commands = command_delta(commands_before, share.command_counts())
             timings["readers"][f"{r.label}/cb{cb}"] = {"seconds": round(dt, 2), "writers": len(ws),
                                                        "phases": rep.get("timings", {})}
+            # What the reader's servers wrote over its writers' objects (a
+            # restore asks for no store; LMCache 0.5.3-0.5.5 can store the
+            # buffer of a failed load: xver_share), then put back on Redis.
+            after = {w: share.fingerprint(states[w], models[w]) for w in ws}
+            writes = share.reader_writes(rdir, state_before, share.reader_state(rdir, after))
+            if writes:
+                share.undo(writes)
+                after = {w: share.fingerprint(states[w], models[w]) for w in ws}
+                say(f"TIER WRITE by reader {r.label} cb{cb}: {len(writes)} object(s) of its writers "
+                    + ("(put back)" if share.tier == "redis" else "(in its own copy)") + ": "
+                    + "; ".join(f"{x['object'][:60]}... {x['before']} -> {x['after']}"
+                                + (" all zeros" if x["zeros"] else "") for x in writes[:3]))
             for w in ws:
-                if fingerprint(states[w] / "l2") != before[w]:
-                    raise XverError(f"reader {r.label} changed writer {w.label}'s tier {states[w] / 'l2'}")
+                if after[w] != before[w]:
+                    raise XverError(f"reader {r.label} changed writer {w.label}'s objects on the {share.tier} "
+                                    f"tier (cb{cb}) and they could not be put back: "
+                                    f"{'; '.join(fingerprint_diff(before[w], after[w]))}; commands during the "
+                                    f"reader {commands}; log {rdir / 'restore.log'}")
+            # the reader servers' own account per server cycle: the L2 adapters'
+            # status (a patched resp adapter counts the objects its checksum
+            # refused) and the native client's failed loads by reason
+            cycles = rep.get("cycles", [])
+            readers_info[f"{r.label}/cb{cb}"] = {
+                "servers": mode, "server_cycles": len(cycles), "redis_commands": commands, "tier_writes": writes,
+                "l2_adapters_status": [c.get("l2_adapters_status") for c in cycles],
+                "native_get_failures": _summed([c.get("native_get_failures") or {} for c in cycles])}
+            per_request = {(q["writer"], q["preset"]): c.get("native_get_failures") or {}
+                           for c in cycles if len(c.get("requests", [])) == 1 for q in c["requests"]}
+            wrote_to = {x["model"] for x in writes}
             for p in rep["presets"]:
                 w = Build.parse(p["writer"].removeprefix("xver-w"))
-                cells.append(cell(w, r, p, stored[w][p["preset"]], cb))
+                c = cell(w, r, p, stored[w][p["preset"]], cb)
+                c["reader_server"] = mode
+                c["native_get_failures"] = per_request.get((p["writer"], p["preset"])) if mode == "per-request" \
+                    else None
+                c["reader_wrote"] = [x for x in writes if x["model"] == p.get("model_name")] \
+                    if p.get("model_name") in wrote_to else []
+                cells.append(c)
             say(f"reader {r.label:16} cb{cb}: {len(ws)} writer(s) x {len(presets)} presets in {dt:.1f} s: "
                 + " ".join(f"{c['writer_short']}:{c['letters']}" for c in _reader_rows(cells, r, cb, presets)))
-    return {"cells": cells, "timings": timings}
+        released = share.release([m for w in writers for m in models[w]])
+        if released:
+            say(f"cb{cb}: deleted the writers' {released} keys from {share.describe()['url']}")
+    return {"cells": cells, "timings": timings, "readers": readers_info}
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in counts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def _reader_rows(cells: list[dict[str, Any]], r: Build, cb: int, presets: list[str]) -> list[dict[str, Any]]:
@@ -236,6 +333,7 @@ def _reader_rows(cells: list[dict[str, Any]], r: Build, cb: int, presets: list[s
 
 
 EXPECT = "layout"  # which keys the expectation assumes (--expect)
+TIER = "fs"  # which tier the cells were measured on (--tier): the expectation differs (xver_outcome)
 
 
 def cell(w: Build, r: Build, p: dict[str, Any], wp: dict[str, Any], cb: int) -> dict[str, Any]:
@@ -244,12 +342,12 @@ def cell(w: Build, r: Build, p: dict[str, Any], wp: dict[str, Any], cb: int) -> 
     x = p.get("xver") or {}
     fid = p.get("fidelity") or {}
     fa, gdn = fid.get("fa"), fid.get("gdn")
-    exp = judge({"writer": w.label, "reader": r.label, "preset": name, "chunk_blocks": cb})
+    exp = judge({"writer": w.label, "reader": r.label, "preset": name, "chunk_blocks": cb, "tier": TIER})
     return {
-        "writer": w.label, "reader": r.label, "preset": name, "chunk_blocks": cb,
+        "writer": w.label, "reader": r.label, "preset": name, "chunk_blocks": cb, "tier": TIER,
         "outcome": p["outcome"], "why": p["outcome_why"],
-        "expected": exp, "as_expected": p["outcome"] == exp, "upstream": is_upstream(w, r, name, cb),
-        "predicted_today": predicted_outcome(w, r, name, cb, "today"),
+        "expected": exp, "as_expected": p["outcome"] == exp, "upstream": is_upstream(w, r, name, cb, TIER),
+        "predicted_today": predicted_outcome(w, r, name, cb, "today") if TIER == "fs" else None,
         "classes": {"writer": byte_class(w, name, cb), "reader": byte_class(r, name, cb)},
         "namespaces_with_layout_keys": {"writer": namespace(w, name, cb), "reader": namespace(r, name, cb)},
         "chunks_stored": x.get("chunks_stored"), "chunks_hit": x.get("chunks_hit"),
@@ -261,6 +359,8 @@ def cell(w: Build, r: Build, p: dict[str, Any], wp: dict[str, Any], cb: int) -> 
         "gdn_byte_fraction": gdn.get("byte_fraction") if gdn else None,
         "l2_model_fields": (wp.get("on_disk") or {}).get("model_fields"),
         "object_bytes": (wp.get("on_disk") or {}).get("object_bytes"),
+        "checksum_trailers": (wp.get("on_disk") or {}).get("checksum_trailers"),
+        "tier_keys": wp.get("tier_keys"),
     }
 
 
@@ -330,25 +430,35 @@ def select_pairs(args: argparse.Namespace) -> list[tuple[Build, Build]]:
 
 
 def judge(c: dict[str, Any]) -> str:
+    """The outcome a cell must have: with --expect layout the required one on
+    the cell's tier, else what the byte classes predict with those keys (fs)."""
     w, r, name, cb = Build.parse(c["writer"]), Build.parse(c["reader"]), c["preset"], c["chunk_blocks"]
-    return expected_outcome(w, r, name, cb) if EXPECT == "layout" else predicted_outcome(w, r, name, cb, EXPECT)
+    tier = c.get("tier", "fs")
+    if EXPECT == "layout":
+        return expected_outcome(w, r, name, cb, tier)
+    return predicted_outcome(w, r, name, cb, EXPECT, tier)
 
 
 def rejudge(path: Path, args: argparse.Namespace) -> int:
     """--rejudge: the stored cells against --expect (no server runs)."""
     result = json.loads(path.read_text())
+    tier = result.get("tier", "fs")
+    if tier != "fs" and EXPECT != "layout":
+        raise SystemExit(f"--rejudge {path}: measured on the {tier} tier; --expect {EXPECT} predicts the fs tier only")
     bad = []
     for c in result["cells"]:
+        c.setdefault("tier", tier)
         c["expected"] = judge(c)
         c["as_expected"] = c["outcome"] == c["expected"]
         if not c["as_expected"]:
             bad.append(c)
     cbs = sorted({c["chunk_blocks"] for c in result["cells"]})
     print("\n\n".join(f"### {cb} block(s) per chunk\n\n"
-                      + matrix_markdown(result["cells"], result["presets"], cb, expected=EXPECT) for cb in cbs))
+                      + matrix_markdown(result["cells"], result["presets"], cb, expected=EXPECT, tier=tier)
+                      for cb in cbs))
     for c in bad:
         print(f"UNEXPECTED {c['writer']} -> {c['reader']} {c['preset']} cb{c['chunk_blocks']}: {c['outcome']} "
-              f"(expected {c['expected']} with {EXPECT} keys): {c['why']}", file=sys.stderr)
+              f"(expected {c['expected']} with {EXPECT} keys on {tier}): {c['why']}", file=sys.stderr)
     print(f"xver: {len(result['cells']) - len(bad)}/{len(result['cells'])} cells as expected with {EXPECT} keys",
           file=sys.stderr)
     return EXIT_MISMATCH if bad else EXIT_OK
@@ -382,17 +492,80 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(default: the series as it stands, = 12), 06 (06's keys without object checksums: "
                          "use with --exclude-patch 12-l2-checksum), 05 (up to 05-layout-keys), today (bare keys: "
                          "use with --exclude-patch 05-layout-keys)")
+    ap.add_argument("--tier", choices=list(TIERS),
+                    help="the L2 tier writers and readers share: fs (default: a directory per writer, hard-linked "
+                         "into one per reader) or redis (LMCache's resp adapter on ONE Redis server for every "
+                         "writer and reader; without --redis-url a private redis-server on 127.0.0.1, from "
+                         "scripts/provision_redis.py, for the run)")
+    ap.add_argument("--redis-url", metavar="redis://HOST:PORT",
+                    help="use this Redis server (implies --tier redis); the gate writes keys of its own random "
+                         "model names there and deletes them after each chunk size")
+    ap.add_argument("--reader-servers", choices=list(READER_SERVERS), default="auto",
+                    help="shared: one reader server per chunk size serves every writer; per-request: a fresh one "
+                         "per stored (writer, preset) request; auto (default): per-request for pristine readers "
+                         "on the redis tier (their native client breaks after a size mismatch), shared otherwise")
     ap.add_argument("--rejudge", metavar="RESULT.json",
                     help="run nothing: judge the cells of an earlier --json-out against --expect again")
     ap.add_argument("--quiet", action="store_true")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.redis_url:
+        try:
+            RespTier.from_url(args.redis_url)
+        except ValueError as exc:
+            ap.error(f"--redis-url {exc}")
+        if args.tier == "fs":
+            ap.error("--redis-url names a Redis tier; it cannot be combined with --tier fs")
+        args.tier = "redis"
+    args.tier = args.tier or "fs"
+    if args.tier != "fs" and args.expect != "layout" and not args.rejudge:
+        ap.error(f"--tier {args.tier}: only --expect layout (the series as it stands) has a {args.tier} table")
+    return args
+
+
+def provenance(argv: list[str] | None) -> dict[str, Any]:
+    """What a stored result needs to be judged later: the command, when, and
+    the checkout it ran from (a dirty tree is said, not hidden)."""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True)
+    return {"command": ["verify/xver_gate.py", *(sys.argv[1:] if argv is None else argv)],
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "git_head": head.stdout.strip() or None,
+            "git_dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None}
+
+
+def open_share(args: argparse.Namespace, work: Path, say) -> tuple[Share, RedisServer | None]:
+    """The tier the run shares (--tier, --redis-url): fs, the named Redis, or
+    a private redis-server on 127.0.0.1 (its log under the work directory)."""
+    if args.tier == "fs":
+        return FsShare(), None
+    if args.redis_url:
+        return RedisShare(args.redis_url, private=False), None
+    sys.path.insert(0, str(REPO / "scripts"))
+    from provision_redis import RedisUnavailable, redis_server  # noqa: PLC0415 - only the redis tier needs it
+
+    try:
+        binary = redis_server()
+    except RedisUnavailable as exc:
+        raise XverError(f"--tier redis: no redis-server: {exc}") from exc
+    try:
+        server = start_redis_server(binary, work / "redis")
+    except RedisStartError as exc:
+        raise XverError(f"--tier redis: {exc}") from exc
+    say(f"private redis-server {binary} on {server.url} (pid {server.proc.pid}, log {server.log_path})")
+    try:
+        return RedisShare(server.url, private=True), server
+    except XverShareError:
+        server.stop()
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
-    global EXPECT
+    global EXPECT, TIER
     args = parse_args(argv)
     EXCLUDED[:] = args.exclude_patch
     EXPECT = args.expect
+    TIER = args.tier
     if args.rejudge:
         return rejudge(Path(args.rejudge), args)
     pairs = select_pairs(args)
@@ -417,29 +590,49 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp.name)
     if args.series_rev:
         SERIES_REV.update(commit=_git("rev-parse", args.series_rev).strip(), dir=str(work / "series"))
-    result: dict[str, Any] = {"tool": "xver_gate", "schema": 1, "pairs": [[w.label, r.label] for w, r in pairs],
+    result: dict[str, Any] = {"tool": "xver_gate", "schema": 1, **provenance(argv),
+                              "pairs": [[w.label, r.label] for w, r in pairs],
                               "presets": presets, "chunk_blocks": cbs, "chunks": args.chunks, "seed": args.seed,
-                              "excluded_patches": list(EXCLUDED), "expect": EXPECT,
+                              "excluded_patches": list(EXCLUDED), "expect": EXPECT, "tier": TIER,
+                              "reader_servers": args.reader_servers,
                               "series_rev": SERIES_REV["commit"],
                               "series": {v: [p.name for p in series(v)] for v in sorted({b.version for wr in pairs
                                                                                          for b in wr})}}
     code = EXIT_OK
+    redis: RedisServer | None = None
     try:
-        result.update(run_matrix(pairs, presets, cbs, work, args.chunks, args.seed, args.phase_timeout, say))
+        share, redis = open_share(args, work, say)
+        result["share"] = share.describe()
+        result.update(run_matrix(pairs, presets, cbs, work, args.chunks, args.seed, args.phase_timeout, say,
+                                 share, args.reader_servers))
         bad = [c for c in result["cells"] if not c["as_expected"]]
         result["mismatches"] = bad
-        result["verdict"] = "as expected" if not bad else "differs from expected"
-        code = EXIT_MISMATCH if bad else EXIT_OK
-    except (XverError, subprocess.TimeoutExpired) as exc:
+        result["tier_writes"] = [{"reader": key, **x} for key, info in result["readers"].items()
+                                 for x in info["tier_writes"]]
+        # A patched reader that writes over a shared tier's object launders
+        # whatever it read (or did not read) into an object later readers
+        # trust: a failure, like a wrong hit.  Judged on Redis, where readers
+        # share the writers' keys; on fs a reader writes into its own copy
+        # (recorded, not judged yet).
+        result["patched_reader_tier_writes"] = [
+            x for x in result["tier_writes"]
+            if TIER == "redis" and Build.parse(x["reader"].split("/")[0]).state == "patched"]
+        failed = bad or result["patched_reader_tier_writes"]
+        result["verdict"] = "as expected" if not failed else "differs from expected"
+        code = EXIT_MISMATCH if failed else EXIT_OK
+    except (XverError, XverShareError, subprocess.TimeoutExpired) as exc:
         result.update(verdict="error", reason=str(exc))
         code = EXIT_ERROR
     finally:
+        if redis is not None:
+            redis.stop()
         if tmp is not None:
             tmp.cleanup()
     result["seconds"] = round(time.monotonic() - t0, 1)
     if "timings" in result:
         result["estimate"] = estimate(result["timings"], len(presets))
-    md = "\n\n".join(f"### {cb} block(s) per chunk\n\n" + matrix_markdown(result["cells"], presets, cb, expected=EXPECT)
+    md = "\n\n".join(f"### {cb} block(s) per chunk\n\n"
+                     + matrix_markdown(result["cells"], presets, cb, expected=EXPECT, tier=TIER)
                      for cb in cbs) if "cells" in result else ""
     if args.markdown and md:
         Path(args.markdown).write_text(md + "\n")
@@ -447,6 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     if md and not args.quiet:
         print(md, file=sys.stderr)
+    for x in result.get("patched_reader_tier_writes", []):
+        say(f"UNEXPECTED patched reader {x['reader']} wrote {x['object']}: {x['before']} -> {x['after']}")
     for c in result.get("mismatches", []):
         say(f"UNEXPECTED {c['writer']} -> {c['reader']} {c['preset']} cb{c['chunk_blocks']}: "
             f"{c['outcome']} (expected {c['expected']}): {c['why']}")

@@ -216,7 +216,7 @@ def _l2_digests(report: dict, preset: str) -> dict[str, str]:
     import hashlib
 
     from lmcache_patchtool_verify.tier_objects import has_trailer, kv_bytes  # noqa: PLC0415
-    from restore_gate import l2_objects  # noqa: PLC0415  (verify/ is on sys.path)
+    from lmcache_patchtool_verify.gate_server import l2_objects  # noqa: PLC0415  (verify/ is on sys.path)
 
     (p,) = [x for x in report["presets"] if x["preset"] == preset]
     model = p["model_name"]

@@ -63,6 +63,7 @@ from pathlib import Path
 import pytest
 
 from .harness_run import REPO, provision
+from .tier_damage import assert_outcomes, assert_refusals_logged, remove_work
 
 sys.path.insert(0, str(REPO / "verify"))
 from lmcache_patchtool_verify import tier_objects as tier  # noqa: E402  (stdlib only)
@@ -179,36 +180,10 @@ def test_damaged_objects_are_misses_and_intact_ones_hit(version: str, tmp_path: 
 
     report = _phase(version, tmp_path, "--phase", "restore", "--state-in", str(state_path), "--keep-tmp")
     try:
-        by_model = {p["model_name"]: p for p in report["presets"]}
-        got, want = {}, {}
-        for name, entries in per_preset.items():
-            for copy, e in entries.items():
-                p = by_model[e["model"]]
-                got[(name, copy)] = (p["outcome"], p["xver"]["chunks_hit"], p["xver"]["chunks_exact"])
-                hits = DAMAGE[copy][1] if merged[name] or copy == "intact" else 0
-                want[(name, copy)] = ("miss" if hits == 0 else "exact", hits, hits)
-        assert got == want, "\n".join(f"{k}: {by_model[per_preset[k[0]][k[1]]['model']]['outcome_why']}"
-                                       for k in got if got[k] != want[k])
-
-        # One log line per refused object, naming it; only damaged objects refused.
-        log = "".join((Path(c["workdir"]) / "server-R.log").read_text(errors="replace")
-                      for c in report["cycles"])
-        lines = [line for line in log.splitlines() if "rejected L2 object" in line]
-        named = [n for names in touched.values() for n in names]
-        for line in lines:
-            assert sum(n in line for n in named) == 1, line
-        for (name, copy), names in touched.items():
-            count = sum(n in line for n in names for line in lines)
-            assert 1 <= count <= len(names), (name, copy, count, lines)
-            assert all(sum(n in line for line in lines) <= 1 for n in names), (name, copy)
-        # ... and the adapter's counter in GET /status says how many.
-        counted = sum(c["l2_adapters_status"][0]["rejected_objects"] for c in report["cycles"])
-        assert counted == len(lines), [c["l2_adapters_status"] for c in report["cycles"]]
+        assert_outcomes(report, per_preset, DAMAGE, merged)
+        assert_refusals_logged(report, touched)
     finally:
-        for c in report.get("cycles", []):
-            subprocess.run(["rm", "-rf", c["workdir"]], check=False)
-        if report.get("client_log"):
-            Path(report["client_log"]).unlink(missing_ok=True)
+        remove_work(report)
 
 
 # ---------------------------------------------------------------------------

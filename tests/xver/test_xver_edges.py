@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -37,20 +36,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import xver_gate  # noqa: E402  (stdlib + provision + xver_outcome: no torch)
 from lmcache_patchtool_verify.xver_outcome import PRESETS, Build, expected_outcome  # noqa: E402
+from xver_run import run_xver  # noqa: E402  (this folder's helper)
 
 FULL = os.environ.get("LMCACHE_PATCHTOOL_XVER_FULL") == "1"
-# Extra xver_gate.py arguments for every run here, e.g. "--exclude-patch 05-layout-keys"
-# (the tier as it was before layout keys: the CI edges then FAIL with wrong hits).
-EXTRA = shlex.split(os.environ.get("LMCACHE_PATCHTOOL_XVER_ARGS", ""))
-
-
-def run_xver(work: Path, *args: str, timeout: float = 1800) -> tuple[subprocess.CompletedProcess, dict]:
-    out = work / "result.json"
-    proc = subprocess.run([sys.executable, str(XVER), "--work-dir", str(work / "wd"), "--json-out", str(out),
-                           *args, *EXTRA], capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
-    if not out.exists():
-        pytest.fail(f"xver_gate wrote no result (rc {proc.returncode}):\n{proc.stderr[-5000:]}")
-    return proc, json.loads(out.read_text())
 
 
 def describe(c: dict) -> str:

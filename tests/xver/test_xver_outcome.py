@@ -172,6 +172,59 @@ def test_extra_preset_is_pure_attention_k1() -> None:
 
 
 # ---------------------------------------------------------------------------
+# the redis tier (LMCache's resp adapter on one shared Redis)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cb", xo.CHUNK_BLOCKS)
+def test_redis_pristine_and_patched_never_share_an_object(cb: int) -> None:
+    """17-resp-checksum keys a patched build's objects lmcptsum1@<key>: on
+    Redis a pristine and a patched build miss each other both ways, also where
+    the fs tier lets a pristine reader read a patched object (pure attention k=1)."""
+    for (w, r), name in itertools.product(PAIRS, xo.PRESETS):
+        if w.state != r.state:
+            assert expected_outcome(w, r, name, cb, "redis") == "miss", (w, r, name)
+    for v in xo.VERSIONS:
+        assert expected_outcome(S[v], P[v], "pure-attn-k1", cb) == "exact"  # fs: the trailer is ignored
+        assert expected_outcome(S[v], P[v], "pure-attn-k1", cb, "redis") == "miss"
+
+
+@pytest.mark.parametrize("cb", xo.CHUNK_BLOCKS)
+def test_redis_patched_pairs_follow_the_layout_namespaces_as_on_fs(cb: int) -> None:
+    """Patched -> patched across versions: the sealed key is the layout-keyed
+    key with a prefix both builds spell the same, so the outcome is the fs one:
+    exact where the namespaces are equal, a miss where they differ."""
+    for (w, r), name in itertools.product(PAIRS, xo.PRESETS):
+        if w.state == r.state == "patched":
+            got = expected_outcome(w, r, name, cb, "redis")
+            assert got == expected_outcome(w, r, name, cb), (w, r, name)
+            assert got == ("exact" if xo.namespace(w, name, cb) == xo.namespace(r, name, cb) else "miss"), (w, r)
+
+
+def test_redis_adds_no_wrong_hit_and_a_size_mismatch_is_a_miss() -> None:
+    """The native RESP client reads a value only into a buffer of its exact
+    size: every wrong hit on Redis is one on fs too (pristine -> pristine,
+    both upstream), and the fs tier's longer-file wrong hit is a miss here."""
+    for (w, r), name, cb in itertools.product(PAIRS, xo.PRESETS, xo.CHUNK_BLOCKS):
+        got = expected_outcome(w, r, name, cb, "redis")
+        if got == "wrong":
+            assert expected_outcome(w, r, name, cb) == "wrong" and w.state == r.state == "pristine", (w, r, name)
+            assert xo.is_upstream(w, r, name, cb, "redis")
+    w, r, name, cb = P["0.5.6"], P["0.5.4"], "qwen35-0.8b", 1  # the fs gate's upstream control
+    assert expected_outcome(w, r, name, cb) == "wrong"
+    assert expected_outcome(w, r, name, cb, "redis") == "miss"
+    # same size, same bare key, a lossy reader: wrong on both tiers
+    assert expected_outcome(P["0.5.6"], P["0.5.6"], "pure-attn-bs128", 1, "redis") == "wrong"
+
+
+def test_redis_table_is_only_for_the_series_as_it_stands() -> None:
+    with pytest.raises(ValueError, match="tier redis"):
+        predicted_outcome(S["0.5.6"], S["0.5.6"], "qwen35-0.8b", 1, "06", "redis")
+    with pytest.raises(ValueError, match="tier 'nfs'"):
+        predicted_outcome(S["0.5.6"], S["0.5.6"], "qwen35-0.8b", 1, "layout", "nfs")
+
+
+# ---------------------------------------------------------------------------
 # markdown
 # ---------------------------------------------------------------------------
 
@@ -215,3 +268,29 @@ def test_edges_for_selects_the_ci_edges_of_a_version() -> None:
     assert {(w.label, r.label) for w, r in xver_gate.edges_for("0.5.4")} == {("0.5.3-patched", "0.5.4-patched")}
     assert len(xver_gate.edges_for("0.5.6")) == 4
     assert xver_gate.edges_for("0.5.2") == []
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--ci", "--tier", "fs", "--redis-url", "redis://127.0.0.1:6379"], "cannot be combined with --tier fs"),
+    (["--ci", "--redis-url", "http://127.0.0.1:6379"], "expected redis://HOST:PORT"),
+    (["--ci", "--tier", "redis", "--expect", "today"], "only --expect layout"),
+])
+def test_xver_tier_arguments_are_refused_loudly(argv: list[str], msg: str) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "verify" / "xver_gate.py"), *argv],
+                          capture_output=True, text=True, cwd=str(REPO))
+    assert proc.returncode == 2 and msg in proc.stderr.splitlines()[-1], proc.stderr
+
+
+def test_restore_gate_names_stale_segments_of_its_own_pid(tmp_path: Path) -> None:
+    """A dead process with this pid left /dev/shm/lmcache_kv_<pid>_<n>: the
+    phase refuses before starting (xver_gate then runs it again, another pid);
+    segments of other pids are not its business."""
+    import os  # noqa: PLC0415
+
+    import restore_gate  # noqa: PLC0415  (no torch at import)
+    import xver_gate  # noqa: PLC0415
+
+    (tmp_path / f"lmcache_kv_{os.getpid()}_0").write_bytes(b"")
+    (tmp_path / f"lmcache_kv_{os.getpid() + 1}_0").write_bytes(b"")
+    assert restore_gate.stale_client_segments(tmp_path) == [f"lmcache_kv_{os.getpid()}_0"]
+    assert xver_gate.STALE_SHM == restore_gate.STALE_SHM

@@ -1,7 +1,8 @@
 """The real ``lmcache server`` as the CPU restore gate runs it (stdlib only, no torch).
 
 One owner for the server side of every gate and probe that stores through a
-real server and kills it: the command line (loopback only, an ``fs`` L2),
+real server and kills it: the command line (loopback only, an ``fs`` L2 or
+the adapter JSON of ``l2_tier``, e.g. a Redis tier),
 start in its own process group, readiness by ``GET /healthcheck``, SIGKILL
 with the L1 shared-memory segment removed, and the readers of what the server
 leaves behind (its log's prefetch and object-group lines, the finished L2
@@ -49,6 +50,8 @@ class ServerSpec:
     # --transfer-mode: the server's --supported-transfer-mode (engine_driven:
     # PREPARE/COMMIT only; auto: both modules; the gate's default lmcache_driven)
     transfer_mode: str = "lmcache_driven"
+    # --l2-adapter JSON (l2_tier.Tier.adapter_json); None: fs over l2_dir
+    l2_adapter: str | None = None
 
     @property
     def zmq_url(self) -> str:
@@ -59,7 +62,7 @@ class ServerSpec:
         return f"http://{self.host}:{self.http_port}{HEALTH_PATH}"
 
     def argv(self) -> list[str]:
-        l2 = json.dumps({"type": "fs", "base_path": str(self.l2_dir)}, separators=(",", ":"))
+        l2 = self.l2_adapter or json.dumps({"type": "fs", "base_path": str(self.l2_dir)}, separators=(",", ":"))
         return [*lmcache_cli(), "server",
                 "--host", self.host, "--port", str(self.zmq_port),
                 "--http-host", self.host, "--http-port", str(self.http_port),

@@ -136,15 +136,18 @@ class LMCacheSettings:
     l2_dir: str = ""
     extra_args: tuple[str, ...] = ()
     transfer_mode: str | None = None  # --supported-transfer-mode (None: the server's default)
+    # --l2-adapter JSON of another tier (l2_tier.RespTier.adapter_json: a shared Redis); None: fs over l2_dir
+    l2_adapter: str | None = None
 
 
 def lmcache_argv(prefix: Sequence[str], s: LMCacheSettings) -> list[str]:
-    if not s.l2_dir:
+    if not s.l2_dir and not s.l2_adapter:
         raise ValueError("the LMCache server needs an L2 directory")
+    l2 = s.l2_adapter or json.dumps({"type": "fs", "base_path": s.l2_dir}, separators=(",", ":"))
     return list(prefix) + [
         "--host", s.host, "--port", str(s.port), "--http-host", s.host, "--http-port", str(s.http_port),
         "--chunk-size", str(s.chunk_size), "--l1-size-gb", str(s.l1_size_gb), "--eviction-policy", "LRU",
-        "--l2-adapter", json.dumps({"type": "fs", "base_path": s.l2_dir}, separators=(",", ":")),
+        "--l2-adapter", l2,
     ] + (["--supported-transfer-mode", s.transfer_mode] if s.transfer_mode else []) + list(s.extra_args)
 
 

@@ -14,8 +14,8 @@ per batch in both orders.
         [--port PORT] [--out OUT]
 
 Without ``--port`` it starts ``redis-server`` (from ``PATH``) on a free port
-with persistence off, and stops it at the end. It writes one JSON document
-(stdout, or OUT); every step records the completion the client reported
+with persistence off (``redis_proc``), and stops it at the end. It writes one
+JSON document (stdout, or OUT); every step records the completion the client reported
 (future id, ok, error, per-key results) and the first bytes of each buffer.
 """
 
@@ -24,52 +24,31 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
+
+from .redis_proc import RedisStartError, running_redis_server
 
 SIZES = {"ka": 100, "kb": 50}
 FILL = {"ka": b"A", "kb": b"B"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def redis(port: int | None) -> Iterator[int]:
-    """An existing server on ``port``, or a fresh one (no persistence)."""
+    """An existing server on ``port``, or a fresh one (redis_proc: no persistence)."""
     if port is not None:
         yield port
         return
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("resp_batch_probe: redis-server is not on PATH; pass --port of a running one")
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no", "--dir", tmp],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline or proc.poll() is not None:
-                        raise SystemExit(f"resp_batch_probe: redis-server did not start on {port}")
-                    time.sleep(0.05)
-            yield port
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
+    try:
+        with running_redis_server(exe) as server:
+            yield server.port
+    except RedisStartError as exc:
+        raise SystemExit(f"resp_batch_probe: {exc}") from exc
 
 
 def _wait(client: Any, future_id: int, timeout: float = 10.0) -> dict:
@@ -128,13 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with redis(args.port) as port:
         result = run(port)
+    emit_json(result, args.out)
+    return 0
+
+
+def emit_json(result: dict, out: str | None) -> None:
+    """A probe's JSON document to ``out``, or to stdout (the RESP probes share it)."""
     text = json.dumps(result, indent=2)
-    if args.out:
-        with open(args.out, "w") as fh:
+    if out:
+        with open(out, "w") as fh:
             fh.write(text + "\n")
     else:
         sys.stdout.write(text + "\n")
-    return 0
 
 
 if __name__ == "__main__":

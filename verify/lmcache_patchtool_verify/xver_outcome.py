@@ -32,6 +32,9 @@ from . import geometry
 VERSIONS = ("0.5.3", "0.5.4", "0.5.5", "0.5.6")
 STATES = ("pristine", "patched")
 OUTCOMES = ("exact", "miss", "wrong")
+# The L2 tier a writer and a reader share: LMCache's fs adapter over one
+# directory, or its resp adapter (the native RESP client) on one Redis server.
+TIERS = ("fs", "redis")
 LETTER = {"exact": "E", "miss": "M", "wrong": "W", "error": "!", None: "."}
 
 # The gate's presets: hybrid k=17, pure attention k=2, hybrid k=1, and a pure
@@ -186,17 +189,24 @@ def namespace(build: Build, name: str, chunk_blocks: int, keys: str = "layout") 
     return (f"kvl1[{cls},C={chunk_blocks}N]",)
 
 
-def predicted_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int, keys: str = "layout") -> str:
+def predicted_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int, keys: str = "layout",
+                      tier: str = "fs") -> str:
     """What the byte classes predict the CPU gate sees.
 
-    Different keys (any object group): a miss.  From 12, a pristine writer and a
-    patched reader: a miss (no checksum trailer).  Same namespaced keys: the same
-    layout by construction, exact.  Same bare keys: the reader's L1 buffer has
-    the reader's size; a shorter file is an incomplete read (a miss), a longer
-    or equal one fills the buffer (a hit), exact iff the bytes are the same
-    lossless class.
+    fs tier: different keys (any object group): a miss.  From 12, a pristine
+    writer and a patched reader: a miss (no checksum trailer).  Same
+    namespaced keys: the same layout by construction, exact.  Same bare keys:
+    the reader's L1 buffer has the reader's size; a shorter file is an
+    incomplete read (a miss), a longer or equal one fills the buffer (a hit),
+    exact iff the bytes are the same lossless class.
+
+    redis tier: :func:`_predicted_on_redis`.
     """
     keys = CURRENT_KEYS if keys == "layout" else keys
+    if tier == "redis":
+        return _predicted_on_redis(writer, reader, name, chunk_blocks, keys)
+    if tier != "fs":
+        raise ValueError(f"tier {tier!r}: one of {', '.join(TIERS)}")
     ns_w, ns_r = namespace(writer, name, chunk_blocks, keys), namespace(reader, name, chunk_blocks, keys)
     if ns_w != ns_r:
         return "miss"
@@ -212,17 +222,60 @@ def predicted_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int
     return "wrong"
 
 
-def expected_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int) -> str:
-    """The REQUIRED outcome with layout keys.  ``wrong`` here is only ever an
-    upstream case (pristine keys on both sides: different bytes, or a pristine
-    sub-paged reader, which restores 1 of k pages whatever it reads), which no
-    change to a patched build can fix (:func:`is_upstream`)."""
-    return predicted_outcome(writer, reader, name, chunk_blocks, CURRENT_KEYS)
+def _predicted_on_redis(writer: Build, reader: Build, name: str, chunk_blocks: int, keys: str) -> str:
+    """The redis tier (LMCache's resp adapter), with the series as it stands.
+
+    Two rules differ from the fs tier:
+
+    * **Sealed keys.** Part 17-resp-checksum stores a patched build's objects
+      under ``lmcptsum1@<key>`` (KV bytes + the key-bound trailer) and loads
+      only from there; a pristine build stores and loads the bare key.  So a
+      pristine and a patched build never address the same object on Redis: a
+      miss in BOTH directions, where the fs tier lets a pristine reader read a
+      patched object's KV bytes under a bare key (pure attention k = 1:
+      exact there).
+    * **Exact sizes.** LMCache's native RESP client reads a value only into a
+      buffer of exactly its size (it logs "GET: size header mismatch"; design
+      doc resp-tier.md), so a value of another size under the same key is a miss,
+      where the fs adapter fills its buffer from a longer file (a hit, and
+      wrong).  On the CPU sizes here, size "short" vs "full" is the only size
+      difference between classes that share a key.
+
+    Otherwise as on fs: different namespaces miss, the same namespaced key is
+    the same layout (exact), and a same-size hit under a bare key is exact iff
+    both sides are the same lossless class.  Patched -> patched across
+    versions therefore follows the layout-keyed namespaces exactly as on fs:
+    the trailer binds the key, which both builds spell the same.
+    """
+    if keys != CURRENT_KEYS:
+        raise ValueError(f"tier redis: predicted for the series as it stands (keys {CURRENT_KEYS}, parts 16-17), "
+                         f"not keys {keys!r}")
+    if writer.state != reader.state:
+        return "miss"  # lmcptsum1@<key> vs <key>: never the same object
+    ns_w, ns_r = namespace(writer, name, chunk_blocks, keys), namespace(reader, name, chunk_blocks, keys)
+    if ns_w != ns_r:
+        return "miss"
+    if ns_w != ("",):
+        return "exact"
+    (wc, ws), (rc, rs) = byte_class(writer, name, chunk_blocks), byte_class(reader, name, chunk_blocks)
+    if wc == rc and not wc.startswith(LOSSY):
+        return "exact"
+    if ws != rs:
+        return "miss"  # the native client refuses a value of another size
+    return "wrong"
 
 
-def is_upstream(writer: Build, reader: Build, name: str, chunk_blocks: int) -> bool:
+def expected_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int, tier: str = "fs") -> str:
+    """The REQUIRED outcome with layout keys on ``tier``.  ``wrong`` here is
+    only ever an upstream case (pristine keys on both sides: different bytes,
+    or a pristine sub-paged reader, which restores 1 of k pages whatever it
+    reads), which no change to a patched build can fix (:func:`is_upstream`)."""
+    return predicted_outcome(writer, reader, name, chunk_blocks, CURRENT_KEYS, tier)
+
+
+def is_upstream(writer: Build, reader: Build, name: str, chunk_blocks: int, tier: str = "fs") -> bool:
     """A wrong hit both sides of which write under today's (pristine) key."""
-    return expected_outcome(writer, reader, name, chunk_blocks) == "wrong"
+    return expected_outcome(writer, reader, name, chunk_blocks, tier) == "wrong"
 
 
 # ---------------------------------------------------------------------------
@@ -264,11 +317,11 @@ def classify(res: dict[str, Any]) -> tuple[str, str]:
 
 
 def matrix_markdown(cells: Iterable[dict[str, Any]], presets: list[str], chunk_blocks: int,
-                    expected: str | None = None) -> str:
+                    expected: str | None = None, tier: str = "fs") -> str:
     """Rows writer, columns reader, cell = one letter per preset (E exact,
     M miss, W wrong hit, ! error, . not run), in ``presets`` order.  With
     ``expected`` ("layout" or "today": which keys) a letter that differs from
-    :func:`predicted_outcome` for those keys is starred."""
+    :func:`predicted_outcome` for those keys on ``tier`` is starred."""
     cells = [c for c in cells if c["chunk_blocks"] == chunk_blocks]
     writers = sorted({Build.parse(c["writer"]) for c in cells})
     readers = sorted({Build.parse(c["reader"]) for c in cells})
@@ -283,12 +336,13 @@ def matrix_markdown(cells: Iterable[dict[str, Any]], presets: list[str], chunk_b
                 o = got.get((w.label, r.label, p))
                 ch = LETTER.get(o, "?")
                 if expected and o is not None and o != "error" and \
-                        o != predicted_outcome(w, r, p, chunk_blocks, expected):
+                        o != predicted_outcome(w, r, p, chunk_blocks, expected, tier):
                     ch += "*"
                 text += ch
             row.append(text)
         lines.append(f"| {w.short} | " + " | ".join(row) + " |")
     legend = (f"Cells: one letter per preset ({', '.join(presets)}); E exact, M miss, W wrong hit, "
               f"! error, . not run; {chunk_blocks} block(s) per chunk; p pristine, P patched"
-              + (f"; * differs from the outcome predicted with {expected} keys" if expected else "") + ".")
+              + (f"; * differs from the outcome predicted with {expected} keys on the {tier} tier"
+                 if expected else "") + ".")
     return "\n".join(lines + ["", legend])
