@@ -47,7 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from patchtool.l2names import object_name  # noqa: E402
+from patchtool.l2.names import object_name  # noqa: E402
 
 SCAN_EXITS = (0, 20, 21)  # clean, flagged, ambiguous
 

@@ -3,7 +3,7 @@
 Per target file: pristine, patched, partial (series applied up to some
 patch), patched-older-revision, drifted or missing, by sha256 against the
 manifest (whose pre-images come from the wheel).  Overall: one
-:class:`~patchtool.exitcodes.State`.  Pure reading: nothing here writes.
+:class:`~patchtool.states.State`.  Pure reading: nothing here writes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from . import __version__
 from . import stack as S
 from .distinfo import installed_version
-from .exitcodes import F_DRIFTED, F_MISSING, F_OLDER, F_PARTIAL, F_PATCHED, F_PRISTINE, State
+from .states import F_DRIFTED, F_MISSING, F_OLDER, F_PARTIAL, F_PATCHED, F_PRISTINE, State
 from .manifest import STATE_FIXED_UPSTREAM, FileHash, Manifest, PatchSetDir
 from .errors import Refusal
 from .fsio import Reader

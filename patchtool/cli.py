@@ -232,77 +232,24 @@ def cmd_manifest(args) -> int:
 
 
 def cmd_l2(args) -> int:
-    # lazy: only the l2 commands load the tier modules, so status stays light
-    from . import l2command, l2reader
-    from .l2rediskeys import is_redis_url
-
     if args.l2_command == "restore":
-        if is_redis_url(args.dest):
-            from .l2redisscan import run_redis_restore  # lazy: only a redis:// tier needs it
+        return _emit_l2(args, "l2 restore", operations.l2_restore(args.dest, args.keys), ExitCode.OK)
+    from .l2.run import ScanRequest  # lazy: only the l2 commands load the tier modules
 
-            res = run_redis_restore(args.dest, args.keys)
-        else:
-            from .l2restore import restore  # lazy: only l2 restore needs it
+    req = ScanRequest(tier=args.dir, quarantine=args.quarantine, only=args.only,
+                      expect_size=args.expect_size or [], names_only=args.names_only, verify=args.verify,
+                      assume=args.assume)
+    res, code = operations.l2_scan(_where(args), req)
+    return _emit_l2(args, "l2 scan", res, code)
 
-            if args.keys:
-                raise Refusal("KEY", "restoring by key applies to a redis:// tier; an fs "
-                              "quarantine is restored as a whole: patchtool l2 restore DEST",
-                              ExitCode.USAGE)
-            res = restore(Path(args.dest))
-        if args.json:
-            output.emit_json("l2 restore", res, ExitCode.OK)
-        else:
-            from .l2render import render_restore  # rich: the human path only
 
-            render_restore(res, ExitCode.OK)
-        return int(ExitCode.OK)
-    redis_tier = is_redis_url(args.dir)
-    if redis_tier:
-        from .l2redisscan import parse_redis_expect  # lazy: only a redis:// tier needs it
-
-        only, expect = l2command.parse_only(args.only), parse_redis_expect(args.expect_size)
-        if args.quarantine:
-            raise Refusal("--quarantine", "a Redis tier's quarantine is in the tier itself (each "
-                          "key renamed to lmcptq@KEY): give --quarantine without DEST",
-                          ExitCode.USAGE)
-    else:
-        only, expect = l2command.parse_only(args.only), l2command.parse_expect(args.expect_size)
-        if args.quarantine == "":
-            raise Refusal("--quarantine", "needs DEST for an fs tier: the directory to move "
-                          "flagged objects into (same filesystem as DIR)", ExitCode.USAGE)
-    verified_with: list[str] = []
-    target_python = None
-    if args.assume is not None:
-        if args.python or args.site_packages:
-            raise Refusal("--assume", "give --assume or a target (--python/--site-packages), "
-                          "not both", ExitCode.USAGE)
-        reader = l2reader.parse_assume(args.assume)
-    else:
-        reader, target_python = operations.l2_reader_of(_where(args))
-    check_python = None if args.assume is not None else target_python
-    if redis_tier:
-        from .l2redisscan import run_redis_scan  # lazy: only a redis:// tier needs it
-
-        res = run_redis_scan(args.dir, reader, args.quarantine is not None, only,
-                             not args.names_only, expect, args.verify, check_python)
-    else:
-        check = None
-        if args.verify:
-            from .l2verify import checker  # lazy: only l2 scan --verify reads object contents
-
-            check = checker(Path(args.dir), check_python, verified_with)
-        res = l2command.run_scan(Path(args.dir), reader,
-                                 Path(args.quarantine) if args.quarantine else None, only,
-                                 sizes=not args.names_only, expect=expect, check=check)
-        if res.verify is not None and verified_with:
-            res.verify.checked_with = verified_with[0]
-    code = l2command.scan_exit_code(res)
+def _emit_l2(args, kind: str, res, code: ExitCode) -> int:
     if args.json:
-        output.emit_json("l2 scan", res, code)
+        output.emit_json(kind, res, code)
     else:
-        from .l2render import render_scan  # rich: the human path only
+        from .l2 import render  # rich: the human path only
 
-        render_scan(res, code)
+        (render.render_restore if kind == "l2 restore" else render.render_scan)(res, code)
     return int(code)
 
 

@@ -15,18 +15,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from . import actions, resources, runner
+from . import resources, runner
 from . import verify_checks as vc
-from .classify import Status, assess, classify, disk_tier_note, patch_set_key, recorded_sets
+from .classify import Assessment, Status, assess, classify, disk_tier_note, patch_set_key, recorded_sets
 from .errors import Refusal, WriteRefusal
-from .exitcodes import ExitCode, State
-from .fsio import describe
+from .exitcodes import ExitCode
+from .states import State
+from .fsio import Reader, describe
 from .manifest import STATE_PATCH, ListRow, PatchSetDir, find_patch_set, list_patch_sets
-from .planning import ApplyResult, RevertResult, refuse_state
+from .planning import ApplyResult, RevertResult, plan_apply, plan_revert, refuse_state
 from .provenance import split_local, wheel_build_info
 from .stack import for_install, l2_format
 from .target import Discovery, Target, discover, require_target
-from .transaction import Lock, needs_recovery, recover
+from .transaction import Lock, commit, needs_recovery, recover
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def apply(where: Where, *, patch: str | None, dry_run: bool,
         assert pset is not None  # refuse_state refused every state without a set
         if st.wheel_build is not None and (st.state != State.PATCHED or patch is not None):
             _refuse_wheel_install(st, target, "apply")
-        res = actions.apply(target, pset, assessed, patch_id=patch, dry_run=dry_run,
+        res = _commit_apply(target, pset, assessed, patch_id=patch, dry_run=dry_run,
                             accept_record_mismatch=accept_record_mismatch, layers=layers,
                             discovery=disc)
         if res.action == "applied":
@@ -132,6 +133,57 @@ def apply(where: Where, *, patch: str | None, dry_run: bool,
         if pset.manifest.state == STATE_PATCH:
             below = layers[:[p.name for p in layers].index(pset.name) + 1]
             res.notes.append(disk_tier_note(pset.manifest, l2_format(below)))
+    return res
+
+
+# --- commit: what apply and revert write ------------------------------------
+# ``--dry-run`` returns the plan's result without writing; the real command
+# commits exactly the plan's changes in one ``transaction.commit``, so what
+# the dry run said is what happens.  State kept in ``<site>/.lmcache-patchtool/``
+# (``patchtool.state``): ``state.json`` and ``originals/``, written in the
+# same transaction as the patched files.
+
+
+def _commit_apply(target: Target, pset: PatchSetDir, assessed: Assessment, *,
+                  patch_id: str | None = None,
+                  dry_run: bool = False, accept_record_mismatch: bool = False,
+                  reader: Reader | None = None, layers: list[PatchSetDir] | None = None,
+                  discovery=None) -> ApplyResult:
+    """Apply ``pset``; for a stacked set, with the layers below it that are
+    not applied yet, in the same single transaction."""
+    plan = plan_apply(target, pset, assessed, reader or Reader(), patch_id=patch_id,
+                      accept_record_mismatch=accept_record_mismatch, layers=layers,
+                      discovery=discovery)
+    plan.raise_first()
+    res = plan.result
+    assert isinstance(res, ApplyResult)
+    if not plan.changes:
+        res.removed_pyc = []
+        return res
+    if dry_run:
+        res.action = "dry-run"
+        return res
+    commit(target.state_dir, plan.changes)
+    # Changes that only remove leftover state leave the install as it was.
+    res.action = "applied" if res.changed_files else "no-op"
+    return res
+
+
+def _commit_revert(target: Target, pset: PatchSetDir | None, assessed: Assessment, *,
+                   dry_run: bool = False, reader: Reader | None = None,
+                   layers: list[PatchSetDir] | None = None, only: str | None = None) -> RevertResult:
+    """Peel every applied set, top first, or with ``only`` just the top one."""
+    plan = plan_revert(target, pset, assessed, reader or Reader(), layers=layers, only=only)
+    plan.raise_first()
+    res = plan.result
+    assert isinstance(res, RevertResult)
+    if not plan.changes:
+        return res
+    if dry_run:
+        res.action = "dry-run"
+        return res
+    commit(target.state_dir, plan.changes)
+    res.action = "reverted" if res.restored_files else "no-op"
     return res
 
 
@@ -143,7 +195,7 @@ def revert(where: Where, *, dry_run: bool) -> RevertResult:
         if assessed.status.wheel_build is not None:
             _refuse_wheel_install(assessed.status, target, "revert")
         # --set NAME peels only NAME, which must be the top of the stack.
-        res = actions.revert(target, pset, assessed, dry_run=dry_run, layers=layers,
+        res = _commit_revert(target, pset, assessed, dry_run=dry_run, layers=layers,
                              only=where.set_name)
         if res.action == "reverted":
             # What is left is judged as the set now on top (after peeling
@@ -247,10 +299,25 @@ def l2_reader_of(where: Where):
     """How the install at ``where`` keys disk-tier objects (``l2 scan``'s
     reader), and its interpreter when it is not patchtool's own."""
     # lazy: only l2 scan needs the tier reader, status stays light
-    from .l2reader import reader_for
+    from .l2.reader import reader_for
 
     with session(where, writes=False) as s:
         st = classify(s.discovery, s.pset, set_name=where.set_name, stack=s.layers)
     reader = reader_for(st, l2_format(s.layers) if s.pset else None)
     python = s.discovery.python if s.discovery.python != sys.executable else None
     return reader, python
+
+
+def l2_scan(where: Where, req):
+    """``patchtool l2 scan``: judge a tier for the install at ``where`` (or
+    ``req.assume``); the result and its exit status (:mod:`patchtool.l2.run`)."""
+    from .l2 import run  # lazy: only the l2 commands load the tier modules
+
+    return run.scan(req, lambda: l2_reader_of(where), bool(where.python or where.site_packages))
+
+
+def l2_restore(dest: str, keys: list[str]):
+    """``patchtool l2 restore``: undo quarantines (:mod:`patchtool.l2.run`)."""
+    from .l2 import run  # lazy: only the l2 commands load the tier modules
+
+    return run.restore(dest, keys)

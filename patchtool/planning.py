@@ -4,7 +4,7 @@
 :class:`~patchtool.fsio.Reader` and return a :class:`Plan`: every change the
 command would commit (target files, RECORD, the saved originals, state.json,
 stale bytecode) and every refusal.  ``--dry-run`` shows the plan; the real
-command commits that same plan (:mod:`patchtool.actions`), so the two cannot
+command commits that same plan (:mod:`patchtool.operations`), so the two cannot
 disagree.  Nothing here writes.
 """
 
@@ -19,7 +19,8 @@ from . import classify as C
 from . import stack as S
 from .applier import ALREADY, APPLIES, FileResult, Patch, apply_series, unapply_series
 from .errors import Refusal, TargetStateRefusal
-from .exitcodes import F_DRIFTED, F_MISSING, ExitCode, State
+from .exitcodes import ExitCode
+from .states import F_DRIFTED, F_MISSING, State
 from .fsio import Reader
 from .manifest import STATE_PATCH, FileHash, PatchSetDir
 from .record import Record, RecordRow

@@ -26,7 +26,7 @@ from typing import Callable
 
 from .applier import APPLIES, apply_series
 from .errors import Refusal
-from .exitcodes import F_DRIFTED, F_MISSING, F_PATCHED, State
+from .states import F_DRIFTED, F_MISSING, F_PATCHED, State
 from .fsio import read_file
 from .manifest import (MANIFEST_NAME, STATE_PATCH, FileHash, Manifest, PatchSetDir, catalog,
                        load_manifest, open_patch_set)

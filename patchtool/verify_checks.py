@@ -31,7 +31,8 @@ from typing import Callable
 
 from . import runner
 from .classify import Status
-from .exitcodes import ExitCode, State
+from .exitcodes import ExitCode
+from .states import State
 from .manifest import PatchSetDir, gate_modes
 from .provenance import split_local
 from .target import Target

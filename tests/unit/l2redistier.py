@@ -1,7 +1,7 @@
 """Building Redis (RESP) L2 tiers for the ``patchtool l2 scan redis://`` tests.
 
 Values are sealed by this file's own code, from the format the RESP seal
-patch writes (``patchtool/l2rediskeys.py``'s docstring), not by the module
+patch writes (``patchtool/l2/redis_keys.py``'s docstring), not by the module
 under test: wire key ``lmcptsum1@`` + the
 native key, value = KV bytes + ``struct.pack("<32sQI12s8s", digest, kv_len,
 1, 12 zero bytes, b"LMCPTSUM")``, digest = blake3(domain + wire key + NUL +

@@ -1,5 +1,5 @@
 """Building and reading fs L2 tiers for the ``patchtool l2`` tests: real
-files named by the adapter's grammar (``patchtool.l2names``), with bytes that
+files named by the adapter's grammar (``patchtool.l2.names``), with bytes that
 differ per name so a test can see which file is which and that nothing was
 lost."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from _cli import cli
 
-from patchtool import l2names
+from patchtool.l2 import names as l2names
 from patchtool.exitcodes import ExitCode
 
 M = "Qwen/Qwen3.5-0.8B"

@@ -35,7 +35,7 @@ import pytest
 from _cli import cli, one_line
 from _redis import free_port, running_redis
 
-from patchtool import l2checksum, l2reader, l2redis, l2redismove, l2scan
+from patchtool.l2 import checksum as l2checksum, reader as l2reader, redis_tier as l2redis, redis_move as l2redismove, scan as l2scan
 from patchtool.errors import Refusal
 
 from .l2redistier import (NS1, NS2, QPREFIX, kv_of, native, prefix, seal, sealed_ok, snapshot,

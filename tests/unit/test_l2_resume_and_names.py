@@ -11,7 +11,7 @@ from pathlib import Path
 
 from _cli import CRASH_VAR, cli, one_line
 
-from patchtool import l2names
+from patchtool.l2 import names as l2names
 
 from . import synthwheel as sw
 from .l2tier import FLAGGED, JOURNAL, NS1, NS2, check_split, name, put, scan_json, tree

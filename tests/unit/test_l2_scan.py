@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 from _cli import CRASH_VAR, cli, one_line
 
-from patchtool import l2journal, l2names, l2reader, l2tally
+from patchtool.l2 import journal as l2journal, names as l2names, reader as l2reader, tally as l2tally
 from patchtool.errors import NotInstalled, Refusal
 
 from . import synthwheel as sw

@@ -1,7 +1,7 @@
 """``patchtool l2 scan --verify``: the ``corrupt`` category, by content.
 
 The tier here is written with the checksum trailer built by this file's own
-code from the documented format (``patchtool/l2checksum.py``'s docstring,
+code from the documented format (``patchtool/l2/checksum.py``'s docstring,
 the adapter's in hybrid-fa part 12-l2-checksum), not by the module under
 test; tests/ports/test_l2_checksum.py runs the same scan on objects the real
 patched server wrote.  Damage as a disk tier suffers it: a flipped byte, a
@@ -25,7 +25,7 @@ import pytest
 from _cli import cli
 from .l2tier import FLAGGED, NS1, name, prefix, scan_json, tree
 
-from patchtool import l2checksum
+from patchtool.l2 import checksum as l2checksum
 from patchtool.errors import Refusal
 
 KV = 4096  # KV bytes per object
@@ -172,7 +172,7 @@ def test_refusals(damaged, tmp_path) -> None:
 def test_names_only_and_plain_scans_open_nothing(damaged, monkeypatch) -> None:
     """Without --verify (names only, or names and sizes) nothing is opened:
     the checksum module is never called."""
-    from patchtool import l2command, l2reader
+    from patchtool.l2 import command as l2command, reader as l2reader
 
     d, _ = damaged
 

@@ -2,9 +2,9 @@
 selects out of the tier, crash-safely.
 
 Moves are ``rename`` (atomic per object: after each move the object is in
-exactly one place) under the journal in DEST (``patchtool.l2journal``); a
+exactly one place) under the journal in DEST (``patchtool.l2.journal``); a
 killed run is finished by re-running the same command.  Nothing is ever
-deleted or overwritten.  The undo is ``patchtool.l2restore``.
+deleted or overwritten.  The undo is ``patchtool.l2.restore``.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import fsio
-from .errors import Refusal, WriteRefusal
-from .exitcodes import ExitCode
-from .l2journal import BATCH, LISTED, QUARANTINE, RESTORE, Journal, counted, kind, now, \
+from .. import fsio
+from ..errors import Refusal, WriteRefusal
+from ..exitcodes import ExitCode
+from .journal import BATCH, LISTED, QUARANTINE, RESTORE, Journal, counted, kind, now, \
     unfinished
-from .l2names import OBJECT_RE
-from .l2reader import TierReader
-from .l2rules import Expectations, Plan
-from .l2tally import dir_entries
-from .transaction import Lock
+from .names import OBJECT_RE
+from .reader import TierReader
+from .rules import Expectations, Plan
+from .tally import dir_entries
+from ..transaction import Lock
 
 MAX_PASSES = 10
 
@@ -30,7 +30,7 @@ MAX_PASSES = 10
 @dataclass
 class QuarantineResult:
     dest: str
-    journal: str | None  # None: a tier whose moves keep no journal (Redis, patchtool.l2redismove)
+    journal: str | None  # None: a tier whose moves keep no journal (Redis, patchtool.l2.redis_move)
     only: list[str]
     run: str | None  # None when nothing was selected (nothing written)
     resumed: bool  # finished an unfinished run recorded in the journal

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import fsio
-from .errors import WriteRefusal
+from .. import fsio
+from ..errors import WriteRefusal
 
 JOURNAL = "quarantine.jsonl"
 QUARANTINE, RESTORE = "quarantine", "restore"

@@ -13,11 +13,11 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 
-from .l2command import ScanReport
-from .l2redismove import RedisQuarantineResult, RedisRestoreResult
-from .l2redisscan import RedisScanReport
-from .l2restore import RestoreResult
-from .l2rules import CORRUPT, EXPECT_OPTION, NEVER_READ, SIZE_MISMATCH, UNPATCHED, Flag, ObjectSet
+from .command import ScanReport
+from .redis_move import RedisQuarantineResult, RedisRestoreResult
+from .redis_scan import RedisScanReport
+from .restore import RestoreResult
+from .rules import CORRUPT, EXPECT_OPTION, NEVER_READ, SIZE_MISMATCH, UNPATCHED, Flag, ObjectSet
 
 _SHOWN = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 CORRUPT_LISTED = 100  # corrupt objects named one per line; --json lists all

@@ -5,7 +5,7 @@ with ``sizes=False``, ``--names-only``), so a million-file tier costs about
 what ``find -printf %s`` costs (bench/bench_l2_scan.py).  Memory is a size
 histogram per *set* (the name up to the group field: model, namespace,
 kv_rank, object group) and one example name per (set, size): nothing per
-file.  What the sets mean is judged elsewhere (``patchtool.l2rules``).
+file.  What the sets mean is judged elsewhere (``patchtool.l2.rules``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from . import fsio
-from .errors import Refusal
-from .l2names import OBJECT_RE, TMP_EXT
+from .. import fsio
+from ..errors import Refusal
+from .names import OBJECT_RE, TMP_EXT
 
 FOREIGN_LISTED = 100  # names listed in the report; all are counted
 # The one histogram bucket of a names-only pass (no object was stat'ed).

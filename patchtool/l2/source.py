@@ -1,12 +1,12 @@
 """Where ``l2 scan`` reads a tier from: the :class:`TierSource` protocol the
 scan, its rules and ``--verify`` are written against, and :class:`FsTier`,
 the fs L2 adapter's directory.  The Redis (RESP) tier is
-``patchtool.l2redis.RedisTier``.
+``patchtool.l2.redis_tier.RedisTier``.
 
-The judgement (``patchtool.l2rules``, ``patchtool.l2verify``,
-``patchtool.l2scan``) needs four things of a tier, and nothing else, so it
+The judgement (``patchtool.l2.rules``, ``patchtool.l2.content_check``,
+``patchtool.l2.scan``) needs four things of a tier, and nothing else, so it
 is the same code for every tier: one pass of names and sizes as a
-:class:`~patchtool.l2tally.Tally`; the parse of a set prefix; a second pass
+:class:`~patchtool.l2.tally.Tally`; the parse of a set prefix; a second pass
 listing the objects ``--verify`` reads; and the size of one named object now
 (the final re-scan).  Moving objects (quarantine, restore) is per tier: a
 rename within one filesystem, a ``RENAMENX`` within one Redis database.
@@ -17,10 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from .l2names import OBJECT_RE, SetKey, prefix_key
-from .l2reader import TierReader
-from .l2rules import Plan
-from .l2tally import Tally, dir_entries, tally
+from .names import OBJECT_RE, SetKey, prefix_key
+from .reader import TierReader
+from .rules import Plan
+from .tally import Tally, dir_entries, tally
 
 
 class TierSource(Protocol):

@@ -10,7 +10,7 @@ A move back is ``link`` then ``unlink``: ``link`` fails on an existing name
 whoever created it (a check-then-rename would race the server's writes, and
 a rename replaces silently).  A kill between the two leaves one inode under
 both names; the re-run sees the same inode and finishes with the unlink.
-The run is journaled like a quarantine (``patchtool.l2journal``): ``begin``
+The run is journaled like a quarantine (``patchtool.l2.journal``): ``begin``
 (kind ``restore``), per batch the names (``back``), then the moves, ``end``.
 """
 
@@ -20,19 +20,19 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import fsio
-from .errors import Refusal, WriteRefusal
-from .l2journal import BATCH, LISTED, RESTORE, Journal, counted, kind, now, unfinished
-from .l2names import OBJECT_RE
-from .l2quarantine import same_filesystem
-from .l2tally import dir_entries
-from .transaction import Lock
+from .. import fsio
+from ..errors import Refusal, WriteRefusal
+from .journal import BATCH, LISTED, RESTORE, Journal, counted, kind, now, unfinished
+from .names import OBJECT_RE
+from .quarantine import same_filesystem
+from .tally import dir_entries
+from ..transaction import Lock
 
 
 @dataclass
 class RestoreResult:
     dest: str
-    journal: str | None  # None: a tier whose moves keep no journal (Redis, patchtool.l2redismove)
+    journal: str | None  # None: a tier whose moves keep no journal (Redis, patchtool.l2.redis_move)
     run: str | None  # None when there was nothing to restore (nothing written)
     resumed: bool  # finished an unfinished restore recorded in the journal
     dirs: list[str]  # where objects went back to

@@ -1,6 +1,6 @@
 """A Redis (RESP) L2 tier as ``l2 scan`` reads it: the URL, the connection,
-and :class:`RedisTier`, a :class:`~patchtool.l2source.TierSource`.  The keys'
-grammar is ``patchtool.l2rediskeys``; moving keys is ``patchtool.l2redismove``.
+and :class:`RedisTier`, a :class:`~patchtool.l2.source.TierSource`.  The keys'
+grammar is ``patchtool.l2.redis_keys``; moving keys is ``patchtool.l2.redis_move``.
 
 What the tool sends, and why it is safe while LMCache servers write:
 
@@ -32,7 +32,7 @@ What the tool sends, and why it is safe while LMCache servers write:
   trailer is corrupt: the key says the patched adapter wrote it with one.
 * Nothing else is written: the only write the tool ever sends is the
   ``RENAMENX`` of a quarantine or a restore, guarded by ``WATCH``
-  (``patchtool.l2redismove``).
+  (``patchtool.l2.redis_move``).
 
 A Redis Cluster node is refused: ``SCAN`` sees one node's keys, and a
 ``RENAMENX`` to the quarantine name crosses hash slots.
@@ -48,15 +48,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 from urllib.parse import unquote, urlsplit
 
-from . import l2checksum as ck
-from .errors import Refusal
-from .exitcodes import ExitCode
-from .l2names import SetKey
-from .l2reader import TierReader
-from .l2rediskeys import KEY_RE, QUARANTINE_PREFIX, is_sealed, prefix_key, set_prefix
-from .l2rules import Plan
-from .l2tally import UNKNOWN_SIZE, Tally, add_foreign
-from .l2verify import Checker
+from . import checksum as ck
+from ..errors import Refusal
+from ..exitcodes import ExitCode
+from .names import SetKey
+from .reader import TierReader
+from .redis_keys import KEY_RE, QUARANTINE_PREFIX, is_sealed, prefix_key, set_prefix
+from .rules import Plan
+from .tally import UNKNOWN_SIZE, Tally, add_foreign
+from .content_check import Checker
 
 SCAN_COUNT = 1000  # SCAN's COUNT hint: keys per round trip
 READS = 3  # reads of a value that fails before it is left unjudged (changing)
@@ -174,7 +174,7 @@ def key_name(key: bytes) -> str:
 
 @dataclass
 class RedisTally(Tally):
-    """The fs :class:`~patchtool.l2tally.Tally`, plus what only a Redis tier
+    """The fs :class:`~patchtool.l2.tally.Tally`, plus what only a Redis tier
     holds: how many objects carry the seal, and the quarantined keys (in the
     same keyspace, under ``lmcptq@``; not objects)."""
 
@@ -332,7 +332,7 @@ class RedisTier:
     # ------------------------------------------------------------ --verify
 
     def checker(self, digester: ck.Digester) -> Checker:
-        """A :data:`~patchtool.l2verify.Checker` for this tier: sealed keys
+        """A :data:`~patchtool.l2.content_check.Checker` for this tier: sealed keys
         judged by :meth:`judge`, unsealed ones :data:`UNSEALED` unread."""
         def run(names: list[str]) -> dict[str, tuple[str, str]]:
             out: dict[str, tuple[str, str]] = {}
@@ -365,7 +365,7 @@ class RedisTier:
 
 
 def sealed_verdict(value: bytes, name: str, digest: ck.DigestFn) -> tuple[str, str]:
-    """One read of a sealed key, judged: ``l2checksum.value_verdict`` bound
+    """One read of a sealed key, judged: ``checksum.value_verdict`` bound
     to the wire key, where a missing trailer is corrupt (the key promises
     one)."""
     v, detail = ck.value_verdict(value, key_bytes(name), digest)

@@ -1,8 +1,8 @@
 """``l2 scan --verify``: the ``corrupt`` category, judged per object by content.
 
-After the size rules (``patchtool.l2rules``), every object the reader reads
+After the size rules (``patchtool.l2.rules``), every object the reader reads
 and the rules leave unflagged is read whole and its checksum trailer checked
-(``patchtool.l2checksum``).  Flagged ``corrupt``:
+(``patchtool.l2.checksum``).  Flagged ``corrupt``:
 
 * an object whose trailer does not match its bytes and its name (bit rot, a
   torn or cut copy, an object renamed, swapped or copied under another key);
@@ -27,7 +27,7 @@ Names are listed by a second pass of the tier (``TierSource.candidates``:
 the first keeps no per-file state), only in this mode, which reads every
 byte anyway.  The checks are the same for every tier; what a Redis tier
 adds (a sealed key's promise of a trailer, the re-read of a value that
-failed) is in its checker, ``patchtool.l2redis``.
+failed) is in its checker, ``patchtool.l2.redis_tier``.
 """
 
 from __future__ import annotations
@@ -36,19 +36,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import l2checksum as ck
-from .l2reader import TierReader
-from .l2rules import CORRUPT, Flag, ObjectSet, Plan
-from .l2source import TierSource
+from . import checksum as ck
+from .reader import TierReader
+from .rules import CORRUPT, Flag, ObjectSet, Plan
+from .source import TierSource
 
-# names -> {name: (verdict, detail)}; l2checksum.check bound to DIR and the target
+# names -> {name: (verdict, detail)}; checksum.check bound to DIR and the target
 Checker = Callable[[list[str]], dict[str, tuple[str, str]]]
 
 
 @dataclass
 class VerifyResult:
     checked: int = 0  # objects read and checked
-    # l2checksum verdict -> objects; a trailer-less object of a verified size counts as corrupt
+    # checksum verdict -> objects; a trailer-less object of a verified size counts as corrupt
     verdicts: dict[str, int] = field(default_factory=dict)
     corrupt_names: list[str] = field(default_factory=list)  # sorted, every one
     details: dict[str, str] = field(default_factory=dict)  # corrupt name -> why

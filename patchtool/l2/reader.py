@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import fsio
-from .errors import NotInstalled, Refusal
-from .exitcodes import ExitCode
-from .l2names import SetKey
+from .. import fsio
+from ..errors import NotInstalled, Refusal
+from ..exitcodes import ExitCode
+from .names import SetKey
 
 # Installs that write LMCache's own (plain) names.
 _PLAIN_STATES = ("pristine", "unsupported-version", "fixed-upstream")

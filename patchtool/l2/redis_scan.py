@@ -1,7 +1,7 @@
 """``patchtool l2 scan redis://HOST:PORT[/DB]`` and ``l2 restore
 redis://... [KEY...]``: the fs commands' options, rules, report and exit
-codes (``patchtool.l2command``), on a Redis tier (``patchtool.l2redis``),
-with its moves (``patchtool.l2redismove``).
+codes (``patchtool.l2.command``), on a Redis tier (``patchtool.l2.redis_tier``),
+with its moves (``patchtool.l2.redis_move``).
 
 Every refusal comes before the first write: a malformed URL or option
 (exit 2), an unreachable server, a failed login, a cluster node, no blake3
@@ -15,14 +15,14 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from . import l2checksum as ck
-from .errors import Refusal
-from .l2command import ScanReport, check_options, parse_expect, scan_and_move
-from .l2reader import TierReader
-from .l2redis import RedisTier, connect, describe, parse_url, redis_module
-from .l2rediskeys import PREFIX_FORM, PREFIX_RE, QUARANTINE_PREFIX, SEAL_PREFIX
-from .l2redismove import RedisRestoreResult, quarantine, restore
-from .l2rules import Expectations, Plan
+from . import checksum as ck
+from ..errors import Refusal
+from .command import ScanReport, check_options, parse_expect, scan_and_move
+from .reader import TierReader
+from .redis_tier import RedisTier, connect, describe, parse_url, redis_module
+from .redis_keys import PREFIX_FORM, PREFIX_RE, QUARANTINE_PREFIX, SEAL_PREFIX
+from .redis_move import RedisRestoreResult, quarantine, restore
+from .rules import Expectations, Plan
 
 
 @dataclass

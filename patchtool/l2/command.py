@@ -1,9 +1,9 @@
 """The ``patchtool l2 scan`` command: option checks, the scan, the
 quarantine and the final re-scan, and the exit status.  Every refusal comes
-before the first write; rendering is ``patchtool.l2render``; the undo,
-``l2 restore``, is ``patchtool.l2restore`` alone.  :func:`scan_and_move` is
+before the first write; rendering is ``patchtool.l2.render``; the undo,
+``l2 restore``, is ``patchtool.l2.restore`` alone.  :func:`scan_and_move` is
 the same for every tier: :func:`run_scan` runs it on a directory with the fs
-quarantine, ``patchtool.l2redisscan`` on a Redis tier with its renames.
+quarantine, ``patchtool.l2.redis_scan`` on a Redis tier with its renames.
 
 Exit status of ``l2 scan`` (docs/disk-tier.md, "Exit codes"): from what DIR holds when
 the command ends, never from what a plan expected to move:
@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import Refusal
-from .exitcodes import ExitCode
-from .l2names import PREFIX_RE
-from .l2quarantine import QuarantineResult, check_dest, quarantine
-from .l2reader import TierReader
-from .l2rules import CATEGORIES, CORRUPT, EXPECT_OPTION, NEVER_READ, Expectations, Plan
-from .l2scan import FinalState, ScanResult, as_final, final_state, judged, scan
-from .l2source import FsTier, TierSource
-from .l2verify import Checker
+from ..errors import Refusal
+from ..exitcodes import ExitCode
+from .names import PREFIX_RE
+from .quarantine import QuarantineResult, check_dest, quarantine
+from .reader import TierReader
+from .rules import CATEGORIES, CORRUPT, EXPECT_OPTION, NEVER_READ, Expectations, Plan
+from .scan import FinalState, ScanResult, as_final, final_state, judged, scan
+from .source import FsTier, TierSource
+from .content_check import Checker
 
 
 @dataclass
@@ -63,7 +63,7 @@ def parse_expect(values: list[str] | None, prefix_re: re.Pattern = PREFIX_RE,
     """``--expect-size SET=SIZE`` (repeatable): SET is a file name up to its
     group field (``<model>@0x<kv_rank>@<group>``, as the report prints it);
     a Redis tier's sets are its native keys up to the group field
-    (``prefix_re``, ``form``: ``patchtool.l2rediskeys``)."""
+    (``prefix_re``, ``form``: ``patchtool.l2.redis_keys``)."""
     out: Expectations = {}
     for v in values or []:
         prefix, eq, size = v.rpartition("=")
@@ -104,7 +104,7 @@ def run_scan(path: Path, reader: TierReader, dest: Path | None = None,
              only: list[str] | None = None, sizes: bool = True,
              expect: Expectations | None = None, check: Checker | None = None) -> ScanReport:
     """``l2 scan DIR``; ``sizes=False`` is ``--names-only``; ``check`` is
-    ``--verify`` (``patchtool.l2verify.checker``)."""
+    ``--verify`` (``patchtool.l2.content_check.checker``)."""
     expect = expect or {}
     check_options(only, dest is not None, sizes, expect, check is not None)
     mover: Mover | None = None

@@ -1,5 +1,5 @@
 """What in a tier a reader would not serve: the categories, decided per set
-from one pass's size histograms (``patchtool.l2tally``).
+from one pass's size histograms (``patchtool.l2.tally``).
 
 The principle: flag only what the reader would not serve, from evidence;
 never by a majority.  The fs adapter's load reads exactly the size of the
@@ -24,13 +24,13 @@ Categories (each flagged object gets exactly one, in this order):
 * ``size-mismatch``: an empty object (no layout's size: a miss for every
   reader), and, where the operator named the size the reader writes for the
   set (``--expect-size SET=SIZE``), every other size.
-* ``corrupt`` (``--verify`` only, ``patchtool.l2verify``): an object whose
+* ``corrupt`` (``--verify`` only, ``patchtool.l2.content_check``): an object whose
   checksum trailer does not match its bytes and its name: not what was
   stored under that key.  Judged per object, by content, for the objects the
   rules above leave unflagged.
 
 Checksum trailers (hybrid-fa part 12-l2-checksum) make a patched build's
-file :data:`~patchtool.l2checksum.TRAILER_LEN` bytes longer than the KV
+file :data:`~patchtool.l2.checksum.TRAILER_LEN` bytes longer than the KV
 bytes it holds, which a pristine reader reads (a longer file fills its
 buffer from the front).  So for the sizes, ``S`` and ``S + TRAILER_LEN`` are
 one layout: not two sizes of an ambiguous set, and either one matches an
@@ -43,7 +43,7 @@ non-zero (``L2_AMBIGUOUS``) and a quarantine moves none of it.
 
 A new category goes into :data:`CATEGORIES` (its place is its precedence)
 and into :func:`_judge`, or, for a per-object check, into
-``patchtool.l2verify`` (it selects objects by name: :attr:`Plan.names`).
+``patchtool.l2.content_check`` (it selects objects by name: :attr:`Plan.names`).
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .l2checksum import TRAILER_LEN
-from .l2names import SetKey, prefix_key
-from .l2reader import TierReader
-from .l2tally import UNKNOWN_SIZE, Tally
+from .checksum import TRAILER_LEN
+from .names import SetKey, prefix_key
+from .reader import TierReader
+from .tally import UNKNOWN_SIZE, Tally
 
 NEVER_READ, UNPATCHED, SIZE_MISMATCH = "never-read", "unpatched", "size-mismatch"
 CORRUPT = "corrupt"

@@ -146,7 +146,7 @@ def check(directory: Path, names: list[str], python: str | None,
 
     Raises :class:`~patchtool.errors.Refusal` when neither interpreter can
     import blake3 (nothing is judged then)."""
-    from .errors import Refusal  # noqa: PLC0415 - the script mode runs without the package
+    from ..errors import Refusal  # noqa: PLC0415 - the script mode runs without the package
 
     blake3 = None
     if here:
@@ -180,7 +180,7 @@ class Digester:
     with it."""
 
     def __init__(self, python: str | None, here: bool = True) -> None:
-        from .errors import Refusal  # noqa: PLC0415 - the script mode runs without the package
+        from ..errors import Refusal  # noqa: PLC0415 - the script mode runs without the package
 
         self._proc: subprocess.Popen | None = None
         self._blake3: Any = None

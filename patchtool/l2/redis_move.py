@@ -13,7 +13,7 @@ moment it moves; a key a server rewrote meanwhile stays (``changed``), and
 the final re-scan judges it afresh.
 
 **No journal, and why.**  The fs quarantine journals into DEST
-(``patchtool.l2journal``) for three jobs, none of which a Redis tier needs:
+(``patchtool.l2.journal``) for three jobs, none of which a Redis tier needs:
 
 * *Finishing a killed run.*  An fs move is a rename into another directory
   with batches of intent around it; here each move is one atomic command,
@@ -42,21 +42,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import l2checksum as ck
-from .errors import Refusal, WriteRefusal
-from .l2journal import LISTED
-from .l2quarantine import MAX_PASSES, QuarantineResult
-from .l2redis import RedisTier, describe, key_bytes, key_name, redis_module, sealed_verdict
-from .l2rediskeys import KEY_RE, QUARANTINE_PREFIX, is_sealed, live_name, quarantined, set_prefix
-from .l2restore import RestoreResult
-from .l2rules import CORRUPT, UNPATCHED, Plan
+from . import checksum as ck
+from ..errors import Refusal, WriteRefusal
+from .journal import LISTED
+from .quarantine import MAX_PASSES, QuarantineResult
+from .redis_tier import RedisTier, describe, key_bytes, key_name, redis_module, sealed_verdict
+from .redis_keys import KEY_RE, QUARANTINE_PREFIX, is_sealed, live_name, quarantined, set_prefix
+from .restore import RestoreResult
+from .rules import CORRUPT, UNPATCHED, Plan
 
 MOVED, REFUSED, CHANGED, GONE = "moved", "refused", "changed", "gone"
 
 
 @dataclass
 class RedisQuarantineResult(QuarantineResult):
-    """The fs :class:`~patchtool.l2quarantine.QuarantineResult` (``journal``
+    """The fs :class:`~patchtool.l2.quarantine.QuarantineResult` (``journal``
     and ``run`` are ``None``: no journal), plus what only a live Redis tier
     shows."""
 

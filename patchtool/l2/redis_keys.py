@@ -11,24 +11,24 @@ The model name is written as it is (``/`` included, unlike the fs names'
 ``-SEP-``), and ``@`` is the one character a model name or salt cannot
 hold, so splitting on ``@`` is unambiguous.  A patched build's model field
 may end in a layout namespace (``+kvl<F>-<hex12>``), read by
-:func:`patchtool.l2names.split_namespace` as on the fs tier.
+:func:`patchtool.l2.names.split_namespace` as on the fs tier.
 
 The patch that seals RESP values stores each one under the *wire key*
 ``lmcptsum1@<native key>``, its value the KV bytes followed by the fs
-adapter's 64-byte trailer bound to the wire key (``patchtool.l2checksum``).
+adapter's 64-byte trailer bound to the wire key (``patchtool.l2.checksum``).
 A native key without the prefix is an *unsealed* object: written by
 pristine LMCache or a build without the seal, so it cannot be verified.
 Any other key is *foreign*: counted, a few listed, never touched.
 
 A quarantined object is renamed to ``lmcptq@<wire key>``: the name records
-where it came from, so a restore needs no journal (``patchtool.l2redismove``).
+where it came from, so a restore needs no journal (``patchtool.l2.redis_move``).
 """
 
 from __future__ import annotations
 
 import re
 
-from .l2names import SetKey, split_namespace
+from .names import SetKey, split_namespace
 
 SCHEME = "redis://"
 SEAL_PREFIX = "lmcptsum1@"
@@ -58,12 +58,12 @@ def set_prefix(m: re.Match) -> str:
     """The set a matched key belongs to: its native key up to the group
     field.  Sealed and unsealed keys of one model, namespace, kv_rank and
     group are one set (the value sizes ``S + 64`` and ``S`` are one layout,
-    ``patchtool.l2rules``)."""
+    ``patchtool.l2.rules``)."""
     return m.string[m.start(2):m.end(4)]
 
 
 def prefix_key(prefix: str) -> SetKey:
-    """The :class:`~patchtool.l2names.SetKey` of a set prefix."""
+    """The :class:`~patchtool.l2.names.SetKey` of a set prefix."""
     model_field, kv_rank, group = prefix.split("@")
     model, namespace, fmt = split_namespace(model_field)
     return SetKey(model, namespace, fmt, int(kv_rank, 16), int(group, 16))

@@ -1,7 +1,7 @@
 """``patchtool l2 scan DIR``, the read-only part: one pass over the tier
-(``TierSource.tally``: ``patchtool.l2tally`` for a directory,
-``patchtool.l2redis`` for Redis), judged for a reader
-(``patchtool.l2rules``), as a report; and :func:`final_state`, what the tier
+(``TierSource.tally``: ``patchtool.l2.tally`` for a directory,
+``patchtool.l2.redis_tier`` for Redis), judged for a reader
+(``patchtool.l2.rules``), as a report; and :func:`final_state`, what the tier
 holds when a command that moved objects ends.  Nothing here writes.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .l2reader import TierReader
-from .l2rules import CATEGORIES, CORRUPT, Expectations, ObjectSet, Plan, categorize
-from .l2source import TierSource
-from .l2tally import UNKNOWN_SIZE, Tally
-from .l2verify import Checker, VerifyResult, verify
+from .reader import TierReader
+from .rules import CATEGORIES, CORRUPT, Expectations, ObjectSet, Plan, categorize
+from .source import TierSource
+from .tally import UNKNOWN_SIZE, Tally
+from .content_check import Checker, VerifyResult, verify
 
 
 def judged(sizes: bool, verified: bool) -> tuple[str, ...]:

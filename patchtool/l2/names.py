@@ -78,7 +78,7 @@ def split_namespace(model_field: str) -> tuple[str, str, int | None]:
     """``(model, namespace, format)`` of a key's model field: the layout
     namespace a patched build appends (``+kvl<F>-<hex12>``), or ``""`` and
     ``None`` for a plain one.  Shared by every tier's key grammar (the fs
-    names here, the Redis keys in ``patchtool.l2rediskeys``)."""
+    names here, the Redis keys in ``patchtool.l2.redis_keys``)."""
     ns = NAMESPACE_RE.fullmatch(model_field)
     if ns is None:
         return model_field, "", None
