@@ -23,22 +23,57 @@ NOT_A_REASON = re.compile(r"cycl|circ", re.I)
 
 
 def modules() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(PKG.glob("*.py"))}
+    """Every module of the package and its subpackages, by dotted name under
+    ``patchtool`` (``cli``, ``l2.scan``; a subpackage's ``__init__`` is ``l2``)."""
+    out: dict[str, Path] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = list(path.relative_to(PKG).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            out[".".join(parts)] = path
+    return out
 
 
-def _targets(node: ast.AST, mods: dict[str, Path]) -> list[str]:
-    """The patchtool modules an import statement imports."""
-    out: list[str] = []
+def _package_of(module: str, mods: dict[str, Path]) -> list[str]:
+    """The package a module's relative imports start from, as name parts."""
+    parts = module.split(".")
+    return parts if mods[module].name == "__init__.py" else parts[:-1]
+
+
+def _resolve(dotted: str, mods: dict[str, Path]) -> str | None:
+    """The longest module name ``dotted`` starts with (``l2.run.ScanRequest``
+    is ``l2.run``)."""
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in mods:
+            return ".".join(parts[:n])
+    return None
+
+
+def _targets(node: ast.AST, mods: dict[str, Path], module: str = "") -> list[str]:
+    """The patchtool modules an import statement (in ``module``) imports."""
+    bases: list[str] = []
     if isinstance(node, ast.ImportFrom):
-        if node.level == 1:
-            out = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
-        elif node.level == 0 and node.module and node.module.startswith("patchtool."):
-            out = [node.module.split(".")[1]]
-        elif node.level == 0 and node.module == "patchtool":
-            out = [a.name for a in node.names]
+        if node.level:
+            pkg = _package_of(module, mods) if module in mods else []
+            base = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else pkg
+            head = ".".join(base + ([node.module] if node.module else []))
+        elif node.module and (node.module == "patchtool" or node.module.startswith("patchtool.")):
+            head = node.module[len("patchtool."):] if node.module != "patchtool" else ""
+        else:
+            return []
+        # ``from .l2 import run`` imports l2.run; ``from .l2.run import X`` imports l2.run.
+        bases = [f"{head}.{a.name}" if head else a.name for a in node.names] + ([head] if head else [])
     elif isinstance(node, ast.Import):
-        out = [a.name.split(".")[1] for a in node.names if a.name.startswith("patchtool.")]
-    return [t for t in out if t in mods]
+        bases = [a.name[len("patchtool."):] for a in node.names if a.name.startswith("patchtool.")]
+    out = []
+    for b in bases:
+        t = _resolve(b, mods)
+        if t is not None and t not in out:
+            out.append(t)
+    # ``from .l2.run import X`` names l2.run; drop the package it passes through.
+    return [t for t in out if not any(o != t and o.startswith(t + ".") for o in out)]
 
 
 def imports(path: Path) -> list[tuple[ast.stmt, bool]]:
@@ -58,7 +93,7 @@ def imports(path: Path) -> list[tuple[ast.stmt, bool]]:
 
 def graph() -> dict[str, set[str]]:
     mods = modules()
-    return {m: {t for node, _ in imports(p) for t in _targets(node, mods) if t != m}
+    return {m: {t for node, _ in imports(p) for t in _targets(node, mods, m) if t != m}
             for m, p in mods.items()}
 
 
@@ -128,8 +163,41 @@ def test_the_checker_sees_a_circle_and_a_function_local_import(tmp_path):
                                      "breaks the import cycle"]
 
 
+def test_the_graph_reads_subpackages():
+    """Relative imports resolve across the l2 subpackage (a circle there
+    would otherwise go unseen)."""
+    edges = graph()
+    assert {"l2.scan", "l2.run", "l2.redis_tier"} <= set(edges)
+    assert "l2.run" in edges["operations"]                      # from .l2 import run
+    assert {"errors", "exitcodes", "l2.reader"} <= edges["l2.run"]  # from ..errors / from .reader
+    assert "l2.run" in edges["cli"]                             # from .l2.run import ScanRequest
+
+
 def test_no_import_circles():
     assert circles(graph()) == []
+
+
+# No class or function a reader cannot hold (issue 38).
+MAX_UNIT_LINES = 300
+
+
+def long_units(root: Path) -> list[str]:
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > MAX_UNIT_LINES:
+                    out.append(f"{path.relative_to(root.parent)}:{node.lineno}: {node.name} is {n} lines")
+    return out
+
+
+def test_no_unit_over_300_lines_in_patchtool(tmp_path):
+    big = tmp_path / "pkg" / "m.py"
+    big.parent.mkdir()
+    big.write_text("def f():\n" + "    x = 1\n" * MAX_UNIT_LINES)
+    assert long_units(big.parent) == ["pkg/m.py:1: f is 301 lines"]  # the check sees one
+    assert long_units(PKG) == []
 
 
 VERIFY_PKG = Path(__file__).resolve().parents[2] / "verify" / "lmcache_patchtool_verify"
