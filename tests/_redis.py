@@ -54,19 +54,24 @@ class RedisProc:
         return self.server.log()
 
     def stop(self) -> None:
-        """SIGKILL the server's process group (nothing is persisted) and reap it."""
+        """SIGKILL the server's process group and reap it."""
         self.server.stop()
+
+    def restart(self) -> None:
+        """SIGKILL it and start it again on the same port and directory."""
+        self.server.restart()
 
 
 @contextmanager
-def running_redis(tmp_path: Path) -> Iterator[RedisProc]:
-    """A fresh server for the block; skips the test if none can be provisioned."""
+def running_redis(tmp_path: Path, persistence: bool = False) -> Iterator[RedisProc]:
+    """A fresh server for the block (``persistence``: the append-only file,
+    fsynced per write); skips the test if none can be provisioned."""
     try:
         binary = redis_server()
     except RedisUnavailable as exc:
         pytest.skip(f"no redis-server: {exc}")
     workdir = Path(tmp_path) / f"redis-{os.getpid()}-{time.monotonic_ns()}"
-    r = RedisProc(start_redis_server(binary, workdir))
+    r = RedisProc(start_redis_server(binary, workdir, persistence=persistence))
     try:
         yield r
     finally:

@@ -101,6 +101,11 @@ def test_series_applies_with_zero_fuzz(version):
         expected.append("14-lookup-wait-while-healthy.patch")
     # revision 7/6/5 (every version): vLLM 0.34's scheduler output (no resumed_req_ids)
     expected.append("15-vllm034-scheduler-output.patch")
+    # revision 8/8/7/6: a shared Redis tier (per-size native batches, the RESP seal) and, where
+    # upstream still notifies the store controller of a failed load, its atomic discard
+    expected += ["16-native-l2-size-batches.patch", "17-resp-checksum.patch"]
+    if version != "0.5.6":
+        expected.append("18-failed-load-discard.patch")
     assert [p.name for p in series] == expected
     overlay = provision.overlay(version, series)  # GNU patch -p1 -F0; raises on fuzz/reject
     text = "".join((overlay / p).read_text() for p in (

@@ -30,6 +30,14 @@ its native client:
   mismatch also derails that connection (docs/design/resp-tier.md); a miss
   either way, but not a cell a table can pin.
 
+* **Redis restarted between the store and the restore.** Redis is
+  SIGKILLed after node A's store and started again on the same port and
+  directory: with the append-only file (fsynced per write) every key is back
+  and node B restores both presets exact; without persistence the tier is
+  empty and node B finds nothing, a clean miss. Node B is a new server, so
+  its client is new too: a client that lived through the restart never
+  reconnects (docs/disk-tier.md, "Faults").
+
 CI runs the restore across nodes on 0.5.6 and 0.5.3 (merged objects, the
 other object layout) and the damage cells on 0.5.6; ``LMCACHE_PATCHTOOL_FULL=1``
 runs all four versions of both.
@@ -239,3 +247,34 @@ def test_damaged_values_are_misses_and_intact_ones_hit(version: str, tmp_path: P
         assert_refusals_logged(report, touched)
     finally:
         remove_work(report)
+
+
+# ---------------------------------------------------------------------------
+# Redis restarted between the store and the restore
+# ---------------------------------------------------------------------------
+
+RESTART_PRESETS = ("qwen35-0.8b", "pure-attn-k1")
+
+
+@pytest.mark.parametrize("persistence", (True, False), ids=("aof", "no-persistence"))
+def test_redis_restarted_between_store_and_restore(persistence: bool, tmp_path: Path) -> None:
+    version = "0.5.6"
+    state = tmp_path / "state.json"
+    with running_redis(tmp_path, persistence=persistence) as redis:
+        store = _gate(version, tmp_path, redis, RESTART_PRESETS, "--chunk-blocks", "1", "--phase", "store",
+                      "--state-out", str(state), name="store")
+        assert store["verdict"] == "pass", store["reason"] + store["stderr_tail"]
+        stored = redis.client().dbsize()
+        redis.restart()
+        kept = redis.client().dbsize()
+        report = _gate(version, tmp_path, redis, (), "--chunk-blocks", "1", "--phase", "restore",
+                       "--state-in", str(state), name="restore")
+    # Never a wrong hit: whatever is found is exact.
+    assert report["verdict"] == "pass", report["reason"] + report["stderr_tail"]
+    found = {p["preset"]: p["after_restart"]["chunks_found"] for p in report["presets"]}
+    if persistence:
+        assert stored > 0 and kept == stored, (stored, kept)
+        assert found == {name: 3 for name in RESTART_PRESETS}, found
+    else:
+        assert stored > 0 and kept == 0, (stored, kept)
+        assert found == {name: 0 for name in RESTART_PRESETS}, found

@@ -3,7 +3,9 @@
 3: 08-block-state-from-vllm, appended; 4: 09-padded-block-stride,
 10-vllm030-registration on 0.5.3/0.5.4, 11-local-hit-count on 0.5.3-0.5.5,
 12-l2-checksum, appended; 5: 13-scheduler-heartbeat on 0.5.3-0.5.5; 6:
-14-lookup-wait-while-healthy on 0.5.3/0.5.4): an install patched with an older
+14-lookup-wait-while-healthy on 0.5.3/0.5.4; 7/6/5: 15-vllm034-scheduler-output;
+8/8/7/6: 16-native-l2-size-batches and 17-resp-checksum, and on 0.5.3-0.5.5
+18-failed-load-discard): an install patched with an older
 revision of the shipped series is recognised as ``patched-older-revision``,
 `status` names the command that upgrades it, `apply` brings it to the shipped
 revision touching only the files the newer parts change, and `revert` gives
@@ -72,8 +74,23 @@ ADDED_BY_14 = ["lmcache/integration/vllm/vllm_multi_process_adapter.py"]
 ADDED_BY_15 = {"0.5.3": ["lmcache/integration/vllm/lmcache_mp_connector.py"]}
 ADDED_BY_15_DEFAULT = ["lmcache/integration/vllm/lmcache_mp_connector.py",
                        "lmcache/integration/vllm/lmcache_mp_metadata.py"]
+# 16-native-l2-size-batches and 17-resp-checksum (revision 8 on 0.5.3/0.5.4, 7
+# on 0.5.5, 6 on 0.5.6): the native L2 adapter's per-size batches and the RESP
+# adapter's seal.
+ADDED_BY_16 = ["lmcache/v1/distributed/l2_adapters/native_connector_l2_adapter.py"]
+ADDED_BY_17 = ["lmcache/v1/distributed/l2_adapters/native_connector_l2_adapter.py",
+               "lmcache/v1/distributed/l2_adapters/resp_l2_adapter.py"]
+# 18-failed-load-discard (the same revision, 0.5.3-0.5.5): the L1 manager's
+# atomic discard and the prefetch controller's failed-load path.
+ADDED_BY_18 = ["lmcache/v1/distributed/l1_manager.py",
+               "lmcache/v1/distributed/storage_controllers/prefetch_controller.py"]
 # the shipped hybrid-fa revision per version
-SHIPPED = {"0.5.3": 7, "0.5.4": 7, "0.5.5": 6, "0.5.6": 5}
+SHIPPED = {"0.5.3": 8, "0.5.4": 8, "0.5.5": 7, "0.5.6": 6}
+
+
+def shared_tier_files(version: str) -> set[str]:
+    """What the revision after part 15 changes: 16, 17 and (0.5.3-0.5.5) 18."""
+    return set(ADDED_BY_16) | set(ADDED_BY_17) | (set(ADDED_BY_18) if version != "0.5.6" else set())
 
 
 def shipped_manifest(version: str) -> dict:
@@ -112,6 +129,12 @@ def added_files(version: str, revision: int) -> list[str]:
             files |= set(ADDED_BY_14)
         elif name.startswith("15-"):
             files |= set(ADDED_BY_15.get(version, ADDED_BY_15_DEFAULT))
+        elif name.startswith("16-"):
+            files |= set(ADDED_BY_16)
+        elif name.startswith("17-"):
+            files |= set(ADDED_BY_17)
+        elif name.startswith("18-"):
+            files |= set(ADDED_BY_18)
         else:
             raise AssertionError(f"{version}: part {name} has no pinned file list here")
     return sorted(files)
@@ -240,26 +263,40 @@ def test_revision3_install_upgrades_with_apply(tmp_path, bare_envs, version):
                                                   if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
 def test_revision4_install_upgrades_with_apply(tmp_path, bare_envs, version):
     """4 -> shipped (13-scheduler-heartbeat, 0.5.3-0.5.5; 14-lookup-wait-while-healthy, 0.5.3/0.5.4;
-    15-vllm034-scheduler-output): the adapter and the connector's scheduler-output reads change."""
+    15-vllm034-scheduler-output; 16-18): the adapter, the connector's scheduler-output reads and
+    the shared-tier files change."""
     assert shipped_revision(version) == SHIPPED[version]
     res = upgrade_from(tmp_path, bare_envs, version, 4)
-    assert sorted(res["changed_files"]) == sorted(set(ADDED_BY_13) | set(ADDED_BY_15_DEFAULT))
+    assert sorted(res["changed_files"]) == sorted(
+        set(ADDED_BY_13) | set(ADDED_BY_15_DEFAULT) | shared_tier_files(version))
 
 
 @pytest.mark.parametrize("version", ["0.5.4"] + (["0.5.3"] if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
 def test_revision5_install_upgrades_with_apply(tmp_path, bare_envs, version):
-    """5 -> shipped (14-lookup-wait-while-healthy, 0.5.3/0.5.4; 15-vllm034-scheduler-output)."""
+    """5 -> shipped (14-lookup-wait-while-healthy, 0.5.3/0.5.4; 15-vllm034-scheduler-output; 16-18)."""
     assert shipped_revision(version) == SHIPPED[version]
     res = upgrade_from(tmp_path, bare_envs, version, 5)
     assert sorted(res["changed_files"]) == sorted(
-        set(ADDED_BY_14) | set(ADDED_BY_15.get(version, ADDED_BY_15_DEFAULT)))
+        set(ADDED_BY_14) | set(ADDED_BY_15.get(version, ADDED_BY_15_DEFAULT)) | shared_tier_files(version))
 
 
 @pytest.mark.parametrize("version", ["0.5.6"] + (["0.5.3", "0.5.4", "0.5.5"]
                                                   if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
 def test_previous_revision_upgrades_to_serve_vllm_034(tmp_path, bare_envs, version):
-    """The revision shipped before part 15 -> shipped: only part 15's files change (the
-    connector, and on 0.5.4+ the metadata module); revert stays byte-exact (upgrade_from)."""
+    """The revision shipped before part 15 -> shipped: part 15's files (the connector, and on
+    0.5.4+ the metadata module) and the shared-tier parts' change; revert stays byte-exact
+    (upgrade_from)."""
+    assert shipped_revision(version) == SHIPPED[version]
+    res = upgrade_from(tmp_path, bare_envs, version, SHIPPED[version] - 2)
+    assert sorted(res["changed_files"]) == sorted(
+        set(ADDED_BY_15.get(version, ADDED_BY_15_DEFAULT)) | shared_tier_files(version))
+
+
+@pytest.mark.parametrize("version", ["0.5.6", "0.5.5"] + (["0.5.3", "0.5.4"]
+                                                         if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else []))
+def test_previous_revision_upgrades_to_the_shared_tier_parts(tmp_path, bare_envs, version):
+    """The revision shipped before parts 16-18 -> shipped: only the L2 adapters' files (and on
+    0.5.3-0.5.5 the L1 manager and the prefetch controller) change."""
     assert shipped_revision(version) == SHIPPED[version]
     res = upgrade_from(tmp_path, bare_envs, version, SHIPPED[version] - 1)
-    assert sorted(res["changed_files"]) == sorted(ADDED_BY_15.get(version, ADDED_BY_15_DEFAULT))
+    assert sorted(res["changed_files"]) == sorted(shared_tier_files(version))

@@ -3,7 +3,8 @@
 The RESP tier is proven against a real Redis, never a stand-in.  A gate or
 test that needs one starts its own here: on 127.0.0.1, on a free port, in a
 temporary directory, with persistence off (``--save "" --appendonly no``:
-nothing outlives the run, nothing is written but the log), in its own
+nothing outlives the run, nothing is written but the log; ``persistence=True``
+turns the append-only file on, fsynced per write, for a restart test), in its own
 process group (:class:`procs.ManagedProcess`, so a kill takes the whole
 group and the kernel kills it if the starter dies).  It is ready when it
 answers ``PING`` with ``+PONG`` over a plain socket: readiness is what the
@@ -57,12 +58,16 @@ def ping(host: str, port: int, timeout: float = 1.0) -> bool:
 class RedisServer:
     """One running ``redis-server`` started by :func:`start_redis_server`."""
 
-    def __init__(self, proc: procs.ManagedProcess, port: int, workdir: Path, owns_workdir: bool) -> None:
+    def __init__(self, proc: procs.ManagedProcess, port: int, workdir: Path, owns_workdir: bool,
+                 binary: Path, persistence: bool = False) -> None:
         self.proc = proc
         self.host = "127.0.0.1"
         self.port = port
         self.workdir = workdir
         self._owns_workdir = owns_workdir
+        self.binary = binary
+        self.persistence = persistence
+        self.restarts = 0
 
     @property
     def url(self) -> str:
@@ -87,18 +92,43 @@ class RedisServer:
         if self._owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
+    def restart(self, ready_timeout: float = READY_TIMEOUT_S) -> None:
+        """SIGKILL the server and start it again on the same port and
+        directory (what it persisted, if anything, is what it loads)."""
+        self.proc.kill()
+        self.restarts += 1
+        proc = procs.ManagedProcess(name=f"redis-server:{self.port}",
+                                    argv=_argv(self.binary, self.port, self.workdir, self.persistence),
+                                    log_path=self.workdir / f"redis-restart-{self.restarts}.log")
+        proc.start()
+        try:
+            proc.wait_ready(lambda: _ready(self.port), ready_timeout)
+        except procs.ProcessError as exc:
+            with contextlib.suppress(procs.ProcessError):
+                proc.kill()
+            raise RedisStartError(f"redis-server did not come back on port {self.port}: {exc}") from exc
+        self.proc = proc
+
     def describe(self) -> dict[str, object]:
-        return {"url": self.url, "pid": self.proc.pid, "argv": list(self.proc.argv), "log": str(self.log_path)}
+        return {"url": self.url, "pid": self.proc.pid, "argv": list(self.proc.argv), "log": str(self.log_path),
+                "persistence": "appendonly, fsync always" if self.persistence else "off", "restarts": self.restarts}
 
 
-def _argv(binary: Path, port: int, workdir: Path) -> list[str]:
+def _argv(binary: Path, port: int, workdir: Path, persistence: bool = False) -> list[str]:
     # --logfile "": log to stdout, which ManagedProcess sends to its log file.
-    return [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+    aof = ["--appendonly", "yes", "--appendfsync", "always"] if persistence else ["--appendonly", "no"]
+    return [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", *aof,
             "--dir", str(workdir), "--logfile", "", "--daemonize", "no", "--protected-mode", "yes"]
 
 
+def _ready(port: int) -> bool:
+    if not ping("127.0.0.1", port):
+        raise procs.NotReady(f"no +PONG from 127.0.0.1:{port}")
+    return True
+
+
 def start_redis_server(binary: str | Path, workdir: str | Path | None = None,
-                       ready_timeout: float = READY_TIMEOUT_S) -> RedisServer:
+                       ready_timeout: float = READY_TIMEOUT_S, persistence: bool = False) -> RedisServer:
     """Start ``binary`` on a free port and wait until it answers PING.
 
     ``workdir`` (its ``--dir`` and log) is made with :mod:`tempfile` when not
@@ -111,18 +141,12 @@ def start_redis_server(binary: str | Path, workdir: str | Path | None = None,
     last = ""
     for attempt in range(1, START_TRIES + 1):
         port = procs.free_port()
-        proc = procs.ManagedProcess(name=f"redis-server:{port}", argv=_argv(Path(binary), port, wd),
+        proc = procs.ManagedProcess(name=f"redis-server:{port}", argv=_argv(Path(binary), port, wd, persistence),
                                     log_path=wd / f"redis-{attempt}.log")
         try:
             proc.start()
-
-            def probe(port: int = port) -> bool:
-                if not ping("127.0.0.1", port):
-                    raise procs.NotReady(f"no +PONG from 127.0.0.1:{port}")
-                return True
-
-            proc.wait_ready(probe, ready_timeout)
-            return RedisServer(proc, port, wd, owns)
+            proc.wait_ready(lambda port=port: _ready(port), ready_timeout)
+            return RedisServer(proc, port, wd, owns, Path(binary), persistence)
         except procs.ProcessError as exc:
             with contextlib.suppress(procs.ProcessError):
                 proc.kill()
