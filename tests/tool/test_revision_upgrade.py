@@ -93,6 +93,15 @@ def shared_tier_files(version: str) -> set[str]:
     return set(ADDED_BY_16) | set(ADDED_BY_17) | (set(ADDED_BY_18) if version != "0.5.6" else set())
 
 
+def part_files(version: str) -> dict[str, list[str]]:
+    """Each part's number -> the files it changes on ``version`` (pinned above)."""
+    return {"05": ADDED_BY_05, "06": ADDED_BY_06, "07": ADDED_BY_07,
+            "08": ADDED_BY_08.get(version, ADDED_BY_08_DEFAULT), "09": ADDED_BY_09[version],
+            "10": ADDED_BY_10, "11": ADDED_BY_11, "12": ADDED_BY_12, "13": ADDED_BY_13, "14": ADDED_BY_14,
+            "15": ADDED_BY_15.get(version, ADDED_BY_15_DEFAULT), "16": ADDED_BY_16, "17": ADDED_BY_17,
+            "18": ADDED_BY_18}
+
+
 def shipped_manifest(version: str) -> dict:
     return json.loads((REPO / "patches" / "hybrid-fa" / version / "manifest.json").read_text())
 
@@ -107,36 +116,10 @@ def added_files(version: str, revision: int) -> list[str]:
     newer = [p["file"] for p in shipped_manifest(version)["patches"] if p["file"] not in prev["patches"]]
     files: set[str] = set()
     for name in newer:
-        if name.startswith("05-"):
-            files |= set(ADDED_BY_05)
-        elif name.startswith("06-"):
-            files |= set(ADDED_BY_06)
-        elif name.startswith("07-"):
-            files |= set(ADDED_BY_07)
-        elif name.startswith("08-"):
-            files |= set(ADDED_BY_08.get(version, ADDED_BY_08_DEFAULT))
-        elif name.startswith("09-"):
-            files |= set(ADDED_BY_09[version])
-        elif name.startswith("10-"):
-            files |= set(ADDED_BY_10)
-        elif name.startswith("11-"):
-            files |= set(ADDED_BY_11)
-        elif name.startswith("12-"):
-            files |= set(ADDED_BY_12)
-        elif name.startswith("13-"):
-            files |= set(ADDED_BY_13)
-        elif name.startswith("14-"):
-            files |= set(ADDED_BY_14)
-        elif name.startswith("15-"):
-            files |= set(ADDED_BY_15.get(version, ADDED_BY_15_DEFAULT))
-        elif name.startswith("16-"):
-            files |= set(ADDED_BY_16)
-        elif name.startswith("17-"):
-            files |= set(ADDED_BY_17)
-        elif name.startswith("18-"):
-            files |= set(ADDED_BY_18)
-        else:
+        pinned = part_files(version).get(name[:2])
+        if pinned is None:
             raise AssertionError(f"{version}: part {name} has no pinned file list here")
+        files |= set(pinned)
     return sorted(files)
 
 
