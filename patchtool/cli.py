@@ -249,7 +249,7 @@ def _emit_l2(args, kind: str, res, code: ExitCode) -> int:
     else:
         from .l2 import render  # rich: the human path only
 
-        (render.render_restore if kind == "l2 restore" else render.render_scan)(res, code)
+        output.emit_text((render.format_restore if kind == "l2 restore" else render.format_scan)(res, code))
     return int(code)
 
 

@@ -1,6 +1,10 @@
 """The one formatting layer: logic returns dataclasses, this renders them as
 JSON (``--json``) or as rich tables for people.  rich is imported only on the
-human path, so ``--json`` stays fast."""
+human path, so ``--json`` stays fast.
+
+Formatters return strings (:func:`format_human`, :func:`capture` for the
+``l2`` commands' :mod:`patchtool.l2.render`); the ``emit_*`` functions here
+are the only places that write a result to stdout."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import Refusal
 
@@ -55,12 +59,41 @@ def console():
     return con
 
 
-def emit_human(kind: str, obj: Any, exit_code: int = 0) -> None:
-    console_ = console()
+def capture(render: Callable[[Any], None], **options: Any) -> str:
+    """What ``render(console)`` prints, as a string: a console of
+    :func:`console`'s width that writes to memory, with the terminal's
+    colours when stdout is one (and none for a pipe or under NO_COLOR)."""
+    import io  # noqa: PLC0415 - lazy with rich: the human path only
+
+    from rich.console import Console  # lazy: rich is for the human path only
+
+    real = console()
+    buf = io.StringIO()
+    con = Console(file=buf, width=real.width, force_terminal=real.is_terminal,
+                  color_system=real.color_system, highlight=False, **options)
+    render(con)
+    return buf.getvalue()
+
+
+def format_human(kind: str, obj: Any, exit_code: int = 0) -> str:
+    """People's form of a command's result (and its exit code when not 0)."""
     render = _RENDERERS[kind]
-    render(console_, obj)
-    if exit_code:
-        console_.print(f"exit code {int(exit_code)}")
+
+    def draw(con) -> None:
+        render(con, obj)
+        if exit_code:
+            con.print(f"exit code {int(exit_code)}")
+
+    return capture(draw)
+
+
+def emit_text(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def emit_human(kind: str, obj: Any, exit_code: int = 0) -> None:
+    emit_text(format_human(kind, obj, exit_code))
 
 
 _STYLE = {"pristine": "yellow", "patched": "green", "drifted": "red", "missing": "red",

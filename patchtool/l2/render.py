@@ -1,5 +1,6 @@
 """People's form of the ``patchtool l2`` commands (``--json`` is the
-dataclasses themselves, ``patchtool.output``).
+dataclasses themselves, ``patchtool.output``): :func:`format_scan` and
+:func:`format_restore` return the text; the CLI prints it.
 
 One line per set and one indented line per flag: a table wraps model names
 and namespaces into unreadable columns.  Every name from the tier goes
@@ -13,6 +14,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 
+from ..output import capture
 from .command import ScanReport
 from .redis_move import RedisQuarantineResult, RedisRestoreResult
 from .redis_scan import RedisScanReport
@@ -41,12 +43,17 @@ def _escape_char(ch: str) -> str:
     return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}"
 
 
-def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+def format_scan(res: ScanReport, code: int) -> str:
+    """``patchtool l2 scan``'s report for people."""
+    return capture(lambda con: _render_scan(con, res, code), soft_wrap=True)
 
 
-def render_scan(res: ScanReport, code: int) -> None:
-    con = _console()
+def format_restore(res: RestoreResult, code: int) -> str:
+    """``patchtool l2 restore``'s report for people."""
+    return capture(lambda con: _render_restore(con, res, code), soft_wrap=True)
+
+
+def _render_scan(con: Console, res: ScanReport, code: int) -> None:
     if isinstance(res, RedisScanReport) and res.redis is not None:
         _redis_head(con, res)
     else:
@@ -203,8 +210,7 @@ def _flag(f: Flag) -> str:
     return f"{f.category}: {n}"
 
 
-def render_restore(res: RestoreResult, code: int) -> None:
-    con = _console()
+def _render_restore(con: Console, res: RestoreResult, code: int) -> None:
     if isinstance(res, RedisRestoreResult):
         _redis_restore(con, res, code)
         return
