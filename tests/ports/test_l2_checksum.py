@@ -63,7 +63,7 @@ from pathlib import Path
 import pytest
 
 from .harness_run import REPO, provision
-from .tier_damage import assert_outcomes, assert_refusals_logged, remove_work
+from .tier_damage import assert_outcomes, assert_refusals_logged, damage_copies, remove_work
 
 sys.path.insert(0, str(REPO / "verify"))
 from lmcache_patchtool_verify import tier_objects as tier  # noqa: E402  (stdlib only)
@@ -120,30 +120,22 @@ def _damage(l2: Path, entries: dict[str, dict]) -> dict[str, list[str]]:
     for objs in chunks.values():  # precondition: what the patched writer wrote carries a trailer
         assert all(tier.has_trailer(p) for o in objs for p in o), objs
 
-    def same_group(paths: list[Path], like: Path) -> Path:
-        (match,) = [p for p in paths if _group(p) == _group(like)]
-        return match
+    def apply(copy: str, p: Path, partner: Path | None) -> Path | None:
+        if copy == "bit-rot":
+            tier.flip_byte(p)
+        elif copy == "torn":
+            tier.tear(p)
+        elif copy == "cut-short":
+            tier.cut_short(p)
+        elif copy == "swap":
+            tier.swap(p, partner)
+            return partner
+        elif copy == "foreign":
+            tier.plant(partner, p)
+        return None
 
-    touched: dict[str, list[str]] = {}
-    for copy, (chunk, _) in DAMAGE.items():
-        if chunk is None:
-            continue
-        victims = chunks[copy][chunk]
-        touched[copy] = [p.name for p in victims]
-        for p in victims:
-            if copy == "bit-rot":
-                tier.flip_byte(p)
-            elif copy == "torn":
-                tier.tear(p)
-            elif copy == "cut-short":
-                tier.cut_short(p)
-            elif copy == "swap":
-                other = same_group(chunks[copy][1], p)
-                tier.swap(p, other)
-                touched[copy].append(other.name)
-            elif copy == "foreign":
-                tier.plant(same_group(chunks["intact"][2], p), p)
-    return touched
+    touched = damage_copies(chunks, DAMAGE, _group, apply)
+    return {copy: [p.name for p in paths] for copy, paths in touched.items()}
 
 
 def _scan_lists_exactly_the_damaged(l2: Path, touched: dict[tuple[str, str], list[str]]) -> None:

@@ -54,7 +54,7 @@ from pathlib import Path
 import pytest
 
 from .harness_run import REPO, provision
-from .tier_damage import assert_outcomes, assert_refusals_logged, remove_work
+from .tier_damage import assert_outcomes, assert_refusals_logged, damage_copies, remove_work
 
 sys.path.insert(0, str(REPO / "tests"))
 from _redis import RedisProc, running_redis  # noqa: E402
@@ -182,32 +182,24 @@ def _damage(client, entries: dict[str, dict]) -> dict[str, list[str]]:
     """Damage every object of one chunk per copy (:data:`DAMAGE`), sizes kept; the keys touched."""
     chunks = {c: _chunk_keys(client, e["model"], e["chunk_hashes"]) for c, e in entries.items()}
 
-    def same_group(keys: list[str], like: str) -> str:
-        (match,) = [k for k in keys if _group(k) == _group(like)]
-        return match
+    def apply(copy: str, key: str, partner: str | None) -> str | None:
+        value = client.get(key)
+        n = _kv_len(value, key.startswith(SEALED))
+        swapped = None
+        if copy == "bit-rot":
+            client.setrange(key, n // 2, bytes([value[n // 2] ^ 0xFF]))
+        elif copy == "torn":
+            client.setrange(key, n // 2, bytes(len(value) - n // 2))
+        elif copy == "swap":
+            client.set(key, client.get(partner))
+            client.set(partner, value)
+            swapped = partner
+        elif copy == "foreign":
+            client.set(key, client.get(partner))
+        assert client.strlen(key) == len(value)  # same size: a damage, not a truncation
+        return swapped
 
-    touched: dict[str, list[str]] = {}
-    for copy, (chunk, _) in DAMAGE.items():
-        if chunk is None:
-            continue
-        victims = chunks[copy][chunk]
-        touched[copy] = list(victims)
-        for key in victims:
-            value = client.get(key)
-            n = _kv_len(value, key.startswith(SEALED))
-            if copy == "bit-rot":
-                client.setrange(key, n // 2, bytes([value[n // 2] ^ 0xFF]))
-            elif copy == "torn":
-                client.setrange(key, n // 2, bytes(len(value) - n // 2))
-            elif copy == "swap":
-                other = same_group(chunks[copy][1], key)
-                client.set(key, client.get(other))
-                client.set(other, value)
-                touched[copy].append(other)
-            elif copy == "foreign":
-                client.set(key, client.get(same_group(chunks["intact"][2], key)))
-            assert client.strlen(key) == len(value)  # same size: a damage, not a truncation
-    return touched
+    return damage_copies(chunks, DAMAGE, _group, apply)
 
 
 def _scan_lists_exactly_the_damaged(redis: RedisProc, touched: dict[tuple[str, str], list[str]]) -> None:

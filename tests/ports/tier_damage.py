@@ -6,6 +6,39 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Callable, Hashable, TypeVar
+
+Obj = TypeVar("Obj")
+
+
+def damage_copies(chunks: dict[str, list[list[Obj]]], damage: dict[str, tuple[int | None, int]],
+                  group_of: Callable[[Obj], Hashable],
+                  apply: Callable[[str, Obj, "Obj | None"], "Obj | None"]) -> dict[str, list[Obj]]:
+    """Damage every object of one chunk per copy; the objects touched, per copy.
+
+    ``chunks[copy]`` lists, per chunk, that copy's objects (one per object
+    group); ``damage[copy] = (first damaged chunk, ...)`` (None: left whole).
+    ``apply(copy, victim, partner)`` damages one object on the tier (a file,
+    a Redis key); ``partner`` is the object of the victim's group that the
+    copy needs (``swap``: chunk 1 of the same copy; ``foreign``: chunk 2 of
+    the intact copy; else None), and what ``apply`` returns is touched too."""
+
+    def same_group(objs: list[Obj], like: Obj) -> Obj:
+        (match,) = [o for o in objs if group_of(o) == group_of(like)]
+        return match
+
+    touched: dict[str, list[Obj]] = {}
+    for copy, (chunk, _) in damage.items():
+        if chunk is None:
+            continue
+        touched[copy] = list(chunks[copy][chunk])
+        for victim in list(touched[copy]):
+            partner = (same_group(chunks[copy][1], victim) if copy == "swap" else
+                       same_group(chunks["intact"][2], victim) if copy == "foreign" else None)
+            extra = apply(copy, victim, partner)
+            if extra is not None:
+                touched[copy].append(extra)
+    return touched
 
 
 def assert_outcomes(report: dict, per_preset: dict[str, dict[str, dict]],
