@@ -136,14 +136,10 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _cpu_of(pid: int) -> float:
-    """CPU seconds all threads of ``pid`` have run (schedstat: nanoseconds)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass  # a thread that just ended
-    return total / 1e9
+    """CPU seconds all threads of ``pid`` have run (the engine-driven bench's reader)."""
+    from bench_engine_driven import cpu_seconds  # noqa: PLC0415 - a sibling script: on sys.path when run
+
+    return cpu_seconds(pid)
 
 
 def _wait_fd(fd: int, fetch, what: str) -> Any:
