@@ -55,7 +55,7 @@ from .names import SetKey
 from .reader import TierReader
 from .redis_keys import KEY_RE, QUARANTINE_PREFIX, is_sealed, prefix_key, set_prefix
 from .rules import Plan
-from .tally import UNKNOWN_SIZE, Tally, add_foreign
+from .tally import UNKNOWN_SIZE, Tally, add_foreign, count
 from .content_check import Checker
 
 SCAN_COUNT = 1000  # SCAN's COUNT hint: keys per round trip
@@ -291,14 +291,7 @@ class RedisTier:
                     t.sealed += 1
                 else:
                     t.unsealed += 1
-                hist = t.sets.setdefault(set_prefix(m), {})
-                b = hist.get(size)
-                if b is None:
-                    hist[size] = [1, name]
-                else:
-                    b[0] += 1
-                    if name < b[1]:
-                        b[1] = name
+                count(t.sets.setdefault(set_prefix(m), {}), size, name)
         if self.first_tally is None:
             self.first_tally = t
         return t

@@ -60,6 +60,18 @@ def dir_entries(path: Path) -> Iterator[Iterator[os.DirEntry]]:
         os.close(fd)
 
 
+def count(hist: dict[int, list], size: int, name: str) -> None:
+    """One object into a set's size histogram: ``size -> [objects, the
+    smallest name]`` (the example the report shows, stable across runs)."""
+    b = hist.get(size)
+    if b is None:
+        hist[size] = [1, name]
+    else:
+        b[0] += 1
+        if name < b[1]:
+            b[1] = name
+
+
 def add_foreign(t: Tally, name: str) -> None:
     """Count a foreign name; keep the smallest :data:`FOREIGN_LISTED`, sorted."""
     t.foreign += 1
@@ -114,11 +126,5 @@ def tally(path: Path, sizes: bool = True) -> Tally:
             hist = sets.get(prefix)
             if hist is None:
                 hist = sets[prefix] = {}
-            b = hist.get(size)
-            if b is None:
-                hist[size] = [1, name]
-            else:
-                b[0] += 1
-                if name < b[1]:
-                    b[1] = name
+            count(hist, size, name)
     return t
