@@ -33,7 +33,7 @@ object (the last line of stdout); exit 0 when the probe ran, 2 when it
 could not.
 
     PYTHONPATH=<overlay>:verify <runtime>/bin/python -m lmcache_patchtool_verify.ed_abandoned_store_probe \\
-        [--preset qwen35-0.8b] [--lazy-l1]
+        [--preset qwen35-0.8b]
 """
 
 from __future__ import annotations
@@ -89,35 +89,6 @@ def _die_after_prepare() -> list[str]:
     return wrapped
 
 
-def _shm_without_pinning() -> bool:
-    """Let the worker attach the server's SHM pool on CPU.
-
-    LMCache's SHM context pins the mapped pool for faster device copies and
-    falls back to pickle when pinning raises, which it does on a CPU-only
-    torch; on an accelerator the pinning succeeds and SHM slots are used.
-    Pinning changes no byte, so the probe skips it (this process only) to
-    reach the SHM path an accelerator takes."""
-    try:
-        from lmcache.v1.multiprocess.transfer_context import shm  # noqa: PLC0415 - the installed tree
-    except ImportError:
-        return False
-    if not hasattr(shm.EngineDrivenContextShm, "_pin_shm_buffer"):
-        return False
-    shm.EngineDrivenContextShm._pin_shm_buffer = lambda self: None
-    return True
-
-
-def _client_log() -> list[str]:
-    """This process's library log (gate_env.run_json_probe sends it to a file)."""
-    import os  # noqa: PLC0415
-
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"ed-abandoned-store-probe-client-{os.getpid()}.log"
-    try:
-        return path.read_text("utf-8", "replace").splitlines()
-    except OSError:
-        return []
-
-
 def _transfer_kind(worker: Any) -> str:
     """The class of the worker's engine-driven context (SHM slots or pickle)."""
     for value in vars(worker).values():
@@ -137,19 +108,14 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     chunk = args.chunk_blocks * geo.tokens_per_block
     end = args.chunks * chunk
     doc: dict[str, Any] = {"format": FORMAT, "preset": geo.name, "k": geo.k,
-                           "l1": "lazy (pickle)" if args.lazy_l1 else "eager (SHM slots)",
                            "chunks": args.chunks, "chunk_tokens": chunk, "versions": gate_env.versions()}
     with procs.Supervisor() as sup:
         workdir = sup.tempdir(prefix="ed-abandoned-store-")
         l2_dir = workdir / "l2"
         l2_dir.mkdir()
         zp, hp = procs.free_ports(2)
-        # An eager (non-lazy) L1 is what makes the server offer its shared-memory
-        # pool, so PREPARE_STORE reserves slots; a lazy L1 means pickle, where
-        # PREPARE_STORE reserves nothing and COMMIT_STORE carries the bytes.
         spec = gate_server.ServerSpec(zp, hp, chunk, args.l1_size_gb, l2_dir, workdir,
-                                      transfer_mode="engine_driven",
-                                      extra_args=() if args.lazy_l1 else ("--no-l1-use-lazy",))
+                                      transfer_mode="engine_driven")
         server = gate_server.launch_server(sup, spec, "probe")
         gate_server.await_server(server, spec, args.server_timeout)
         model = f"ed-abandoned-{geo.name}-{uuid.uuid4().hex[:8]}"
@@ -161,14 +127,11 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
         a = b = None
         try:
             # 1. engine A: prepare succeeds, the copy and the commit never happen
-            if not args.lazy_l1:
-                doc["shm_without_pinning"] = _shm_without_pinning()
             a = gc.Client(spec.zmq_url, model, layout, mq_timeout=args.step_timeout,
                           transfer_mode="engine_driven")
             a.register(geometry.build_kv_caches(geo, num_blocks, fill=0))
             expected = gc.fill_source(a, src, args.seed)
             doc["worker_transfer"] = _transfer_kind(a.worker)
-            doc["worker_log_shm"] = [ln for ln in _client_log() if "SHM" in ln or "shm" in ln][:6]
             doc["wrapped"] = _die_after_prepare()
             rid = f"probe-a-{uuid.uuid4().hex[:10]}"
             a.lookup(rid, tokens, args.step_timeout)
@@ -226,8 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-blocks", type=int, default=2)
     ap.add_argument("--seed", type=int, default=4321)
     ap.add_argument("--l1-size-gb", type=float, default=0.5)
-    ap.add_argument("--lazy-l1", action="store_true",
-                    help="the server's default lazy L1 (pickle transfers) instead of an eager one (SHM slots)")
     ap.add_argument("--step-timeout", type=float, default=30.0)
     ap.add_argument("--drop-timeout", type=float, default=60.0,
                     help="how long the server may take to release engine A's pending writes")

@@ -52,8 +52,6 @@ class ServerSpec:
     transfer_mode: str = "lmcache_driven"
     # --l2-adapter JSON (l2_tier.Tier.adapter_json); None: fs over l2_dir
     l2_adapter: str | None = None
-    # further server options (a probe's, e.g. --no-l1-use-lazy)
-    extra_args: tuple[str, ...] = ()
 
     @property
     def zmq_url(self) -> str:
@@ -72,7 +70,7 @@ class ServerSpec:
                 "--l1-size-gb", f"{self.l1_size_gb:g}",
                 "--eviction-policy", "LRU",
                 "--supported-transfer-mode", self.transfer_mode,
-                "--l2-adapter", l2, *self.extra_args]
+                "--l2-adapter", l2]
 
 
 def l1_shm_path(pid: int) -> Path:
