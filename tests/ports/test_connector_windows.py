@@ -2,7 +2,8 @@
 
 ``geometry.engine_group_infos`` asks the installed LMCache's own
 ``lmcache.integration.vllm.kv_cache_groups`` helpers for the window fields:
-0.5.3's connector gives an align-mode Mamba (GDN) group no window; 0.5.4's
+pristine 0.5.3's connector gives an align-mode Mamba (GDN) group no window
+(patched 0.5.3's part 19 gives it 0.5.4's); 0.5.4's
 (``_is_mamba_align_spec``) gives it ``sw_size_tokens = N``, so the server keeps
 only the chunk-end GDN slot of each chunk; 0.5.5+ also set
 ``recurrent_state = True``.  FA groups never get a window.  The pure helpers
@@ -58,6 +59,19 @@ def test_connector_window_fields_per_version(version):
     assert fa["rec"] in (None, False)
     (pure,) = got["pure-attn-bs128"]
     assert pure["sw"] == -1 and pure["rec"] in (None, False)
+
+
+def test_patched_053_connector_gives_gdn_a_window():
+    """0.5.3's part 19 (the 0.5.4+ series' 06): the patched connector gives the GDN
+    group 0.5.4's one-block window, so its server keeps only the chunk-end slot."""
+    series = sorted((REPO / "patches" / "hybrid-fa" / "0.5.3").glob("*.patch"))
+    py = provision.runtime_env("0.5.3") / "bin" / "python"
+    env = dict(os.environ, PYTHONPATH=f"{provision.overlay('0.5.3', series)}:{REPO / 'verify'}")
+    proc = subprocess.run([str(py), "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gdn, fa = json.loads(proc.stdout.strip().splitlines()[-1])["qwen35-0.8b"]
+    assert (gdn["kind"], gdn["sw"], gdn["obj_sw"]) == ("gdn", 544, 544)
+    assert (fa["sw"], fa["obj_sw"]) == (-1, -1)
 
 
 def test_kept_positions():

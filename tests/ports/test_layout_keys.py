@@ -13,10 +13,10 @@
 * Real registrations through ``LMCacheDrivenTransferModule.register_kv_cache``
   (the round-trip harness, which also checks the bytes): the namespace each
   version's server logs per object group, preset and chunk size, pinned, and
-  the sharing this gives: all four share pure attention k = 2; 0.5.3 keeps
-  merged objects (pristine keys for a k = 1 hybrid at one block per chunk, its
-  own namespace for its all-blocks GDN at two); 0.5.4-0.5.6 write a hybrid's
-  groups separately (part 06), all namespaced, with the same GDN objects.
+  the sharing this gives: all four share pure attention k = 2, and all four
+  write a hybrid's groups separately (part 06; on 0.5.3 since hybrid-fa
+  revision 9, before which 0.5.3 kept merged objects), all namespaced, with
+  the same GDN objects.
 """
 
 from __future__ import annotations
@@ -50,21 +50,19 @@ PROBE_DIGESTS = {
 
 # What each patched server logs at registration ("keys objects as ..."), per
 # (preset, blocks per chunk): the namespace of each object group ("" = the
-# pristine key).  From part 06, 0.5.4+ servers write a hybrid's groups as
-# separate objects (GDN state, attention): both are namespaced, and the GDN
-# objects are the same bytes, so the same namespace, on 0.5.4-0.5.6.
-QWEN_CN = "kvl1-1f7fbe021c73"
+# pristine key).  From part 06 (on 0.5.3 since hybrid-fa revision 9), every
+# patched server writes a hybrid's groups as separate objects (GDN state,
+# attention): both are namespaced, and the GDN objects are the same bytes, so
+# the same namespace, on 0.5.3-0.5.6.
 GDN_CN, GDN_C2N = "kvl1-905e7a3ff3d5", "kvl1-41d26fcb17e4"
-S_MID = ("0.5.4", "0.5.5")
+S_MID = ("0.5.3", "0.5.4", "0.5.5")
 REGISTERED = {
-    ("qwen35-0.8b", 1): {"0.5.3": [QWEN_CN], **{v: [GDN_CN, "kvl1-2a43cf81065e"] for v in S_MID},
+    ("qwen35-0.8b", 1): {**{v: [GDN_CN, "kvl1-2a43cf81065e"] for v in S_MID},
                          "0.5.6": [GDN_CN, "kvl1-f7a6b3a38b59"]},
-    ("qwen35-0.8b", 2): {"0.5.3": ["kvl1-2e030ba9b6b5"],
-                         **{v: [GDN_C2N, "kvl1-802ccd5fdf07"] for v in S_MID},
+    ("qwen35-0.8b", 2): {**{v: [GDN_C2N, "kvl1-802ccd5fdf07"] for v in S_MID},
                          "0.5.6": [GDN_C2N, "kvl1-b90f6612d9dd"]},
-    ("control-k1", 1): {"0.5.3": [""], **{v: [GDN_CN, "kvl1-faf749e79ee7"] for v in VERSIONS[1:]}},
-    ("control-k1", 2): {"0.5.3": ["kvl1-a064d57cfd87"],
-                        **{v: [GDN_C2N, "kvl1-f2bed35273db"] for v in VERSIONS[1:]}},
+    ("control-k1", 1): {v: [GDN_CN, "kvl1-faf749e79ee7"] for v in VERSIONS},
+    ("control-k1", 2): {v: [GDN_C2N, "kvl1-f2bed35273db"] for v in VERSIONS},
     ("pure-attn-bs128", 1): {v: ["kvl1-3d59b9f7a29c"] for v in VERSIONS},
 }
 _LOGGED = re.compile(r"Object group (\d+) of (\S+) keys objects as '([^']*)'")

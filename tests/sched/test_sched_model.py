@@ -128,7 +128,7 @@ def test_separate_objects_skip_a_null_state_and_cut_the_hit_back():
 
 
 def test_053_reads_every_mamba_block_of_a_chunk():
-    """sw_size_tokens = -1 (0.5.3): a null mid-chunk slot is read too."""
+    """sw_size_tokens = -1 (pristine 0.5.3): a null mid-chunk slot is read too."""
     truth = _prefilled(1)
     server = _server("merged", keep_all=True)
     server.store("A", 0, 2 * N, [[NULL_BLOCK, 11], [20, 21]], truth, digest)

@@ -5,7 +5,8 @@
 12-l2-checksum, appended; 5: 13-scheduler-heartbeat on 0.5.3-0.5.5; 6:
 14-lookup-wait-while-healthy on 0.5.3/0.5.4; 7/6/5: 15-vllm034-scheduler-output;
 8/8/7/6: 16-native-l2-size-batches and 17-resp-checksum, and on 0.5.3-0.5.5
-18-failed-load-discard): an install patched with an older
+18-failed-load-discard; 9 on 0.5.3: 19-state-chunk-ends, the 0.5.4+ series'
+06 appended): an install patched with an older
 revision of the shipped series is recognised as ``patched-older-revision``,
 `status` names the command that upgrades it, `apply` brings it to the shipped
 revision touching only the files the newer parts change, and `revert` gives
@@ -84,13 +85,24 @@ ADDED_BY_17 = ["lmcache/v1/distributed/l2_adapters/native_connector_l2_adapter.p
 # atomic discard and the prefetch controller's failed-load path.
 ADDED_BY_18 = ["lmcache/v1/distributed/l1_manager.py",
                "lmcache/v1/distributed/storage_controllers/prefetch_controller.py"]
+# 19-state-chunk-ends (revision 9, 0.5.3 only: the 0.5.4+ series' 06 with the
+# 0.5.4 server rules it needs): the connector's GDN window, its chunk-end ids
+# and step rule, the server's null-chunk skip, window reads and separation.
+ADDED_BY_19 = ["lmcache/integration/vllm/kv_cache_groups.py",
+               "lmcache/integration/vllm/lmcache_mp_connector.py",
+               "lmcache/v1/multiprocess/modules/lmcache_driven_transfer.py"]
 # the shipped hybrid-fa revision per version
-SHIPPED = {"0.5.3": 8, "0.5.4": 8, "0.5.5": 7, "0.5.6": 6}
+SHIPPED = {"0.5.3": 9, "0.5.4": 8, "0.5.5": 7, "0.5.6": 6}
+# the revision each version shipped before part 15, and before parts 16-18
+BEFORE_15 = {"0.5.3": 6, "0.5.4": 6, "0.5.5": 5, "0.5.6": 4}
+BEFORE_SHARED_TIER = {"0.5.3": 7, "0.5.4": 7, "0.5.5": 6, "0.5.6": 5}
 
 
 def shared_tier_files(version: str) -> set[str]:
-    """What the revision after part 15 changes: 16, 17 and (0.5.3-0.5.5) 18."""
-    return set(ADDED_BY_16) | set(ADDED_BY_17) | (set(ADDED_BY_18) if version != "0.5.6" else set())
+    """What the revision after part 15 changes: 16, 17 and (0.5.3-0.5.5) 18,
+    and what later revisions add (0.5.3: 19)."""
+    return set(ADDED_BY_16) | set(ADDED_BY_17) | (set(ADDED_BY_18) if version != "0.5.6" else set()) \
+        | (set(ADDED_BY_19) if version == "0.5.3" else set())
 
 
 def part_files(version: str) -> dict[str, list[str]]:
@@ -99,7 +111,7 @@ def part_files(version: str) -> dict[str, list[str]]:
             "08": ADDED_BY_08.get(version, ADDED_BY_08_DEFAULT), "09": ADDED_BY_09[version],
             "10": ADDED_BY_10, "11": ADDED_BY_11, "12": ADDED_BY_12, "13": ADDED_BY_13, "14": ADDED_BY_14,
             "15": ADDED_BY_15.get(version, ADDED_BY_15_DEFAULT), "16": ADDED_BY_16, "17": ADDED_BY_17,
-            "18": ADDED_BY_18}
+            "18": ADDED_BY_18, "19": ADDED_BY_19}
 
 
 def shipped_manifest(version: str) -> dict:
@@ -270,7 +282,7 @@ def test_previous_revision_upgrades_to_serve_vllm_034(tmp_path, bare_envs, versi
     0.5.4+ the metadata module) and the shared-tier parts' change; revert stays byte-exact
     (upgrade_from)."""
     assert shipped_revision(version) == SHIPPED[version]
-    res = upgrade_from(tmp_path, bare_envs, version, SHIPPED[version] - 2)
+    res = upgrade_from(tmp_path, bare_envs, version, BEFORE_15[version])
     assert sorted(res["changed_files"]) == sorted(
         set(ADDED_BY_15.get(version, ADDED_BY_15_DEFAULT)) | shared_tier_files(version))
 
@@ -281,5 +293,13 @@ def test_previous_revision_upgrades_to_the_shared_tier_parts(tmp_path, bare_envs
     """The revision shipped before parts 16-18 -> shipped: only the L2 adapters' files (and on
     0.5.3-0.5.5 the L1 manager and the prefetch controller) change."""
     assert shipped_revision(version) == SHIPPED[version]
-    res = upgrade_from(tmp_path, bare_envs, version, SHIPPED[version] - 1)
+    res = upgrade_from(tmp_path, bare_envs, version, BEFORE_SHARED_TIER[version])
     assert sorted(res["changed_files"]) == sorted(shared_tier_files(version))
+
+
+def test_053_revision8_upgrades_to_multi_block_steps(tmp_path, bare_envs):
+    """0.5.3's revision 8 -> 9 (19-state-chunk-ends appended): only the connector's
+    two modules and the lmcache-driven transfer module change; revert stays byte-exact."""
+    assert shipped_revision("0.5.3") == SHIPPED["0.5.3"] == 9
+    res = upgrade_from(tmp_path, bare_envs, "0.5.3", 8)
+    assert sorted(res["changed_files"]) == sorted(ADDED_BY_19)

@@ -90,8 +90,9 @@ def test_shared_objects_hit_exactly(cb: int) -> None:
         assert expected_outcome(w, r, "pure-attn-k1", cb) == ("miss" if unchecked else "exact"), (w, r)
         if w.state == r.state == "patched":
             assert expected_outcome(w, r, "pure-attn-bs128", cb) == "exact", (w, r)  # one fingerprint
-    sep = [S["0.5.4"], S["0.5.5"], S["0.5.6"]]  # 06: separate, namespaced GDN + attention objects
-    bare = [P[v] for v in xo.VERSIONS] + [S["0.5.3"]]
+    # 06: separate, namespaced GDN + attention objects (0.5.3: its own part 06, keys 053-06)
+    sep = [S["0.5.3"], S["0.5.4"], S["0.5.5"], S["0.5.6"]]
+    bare = [P[v] for v in xo.VERSIONS]
     for w, r in itertools.product(sep, sep):
         assert expected_outcome(w, r, "control-k1", cb) == "exact", (w, r)  # same GDN, same k=1 attention
         fa_same = (w.version == "0.5.6") == (r.version == "0.5.6")  # 0.5.6's attention is re-viewed
@@ -134,12 +135,15 @@ def test_revision_05_keys(cb: int) -> None:
 
 
 def test_issue_12_wrong_hits_today_become_misses() -> None:
-    """The three upstream wrong hits measured with today's keys turn into misses."""
+    """The three upstream wrong hits measured with today's keys turn into misses
+    (12's keys), and the third, patched 0.5.3 -> patched 0.5.4, into an exact hit
+    once 0.5.3 writes as 0.5.4 does (053-06)."""
     cases = [(S["0.5.5"], P["0.5.6"], "qwen35-0.8b", 1), (S["0.5.6"], P["0.5.6"], "pure-attn-bs128", 2),
              (S["0.5.3"], S["0.5.4"], "qwen35-0.8b", 2)]
     for w, r, name, cb in cases:
         assert predicted_outcome(w, r, name, cb, "today") == "wrong", (w, r, name, cb)
-        assert expected_outcome(w, r, name, cb) == "miss", (w, r, name, cb)
+        assert predicted_outcome(w, r, name, cb, "12") == "miss", (w, r, name, cb)
+    assert [expected_outcome(w, r, name, cb) for w, r, name, cb in cases] == ["miss", "miss", "exact"]
 
 
 def test_wrong_is_required_only_for_upstream_pairs() -> None:

@@ -82,8 +82,10 @@ class Build:
 
     @property
     def generation(self) -> str:
-        """GDN/FA generation: old (0.5.3, no GDN window), mid (0.5.4/0.5.5: chunk-end
-        GDN), new (0.5.6: chunk-end GDN, sub-paged FA re-viewed by the connector)."""
+        """GDN/FA generation of the release: old (0.5.3, no GDN window), mid
+        (0.5.4/0.5.5: chunk-end GDN), new (0.5.6: chunk-end GDN, sub-paged FA
+        re-viewed by the connector).  What a build writes also depends on the
+        series revision: :func:`generation`."""
         return {"0.5.3": "old", "0.5.4": "mid", "0.5.5": "mid", "0.5.6": "new"}[self.version]
 
     @classmethod
@@ -113,7 +115,7 @@ def family(name: str) -> str:
 # ---------------------------------------------------------------------------
 
 
-def byte_class(build: Build, name: str, chunk_blocks: int) -> tuple[str, str]:
+def byte_class(build: Build, name: str, chunk_blocks: int, keys: str = "layout") -> tuple[str, str]:
     """``(class, size)`` of the object a build writes: equal class = equal bytes;
     size "short" (1/k of the FA bytes) or "full" (every byte), on the CPU context.
     A "one-page" class is lossy: it is the 1/k bug itself, so even its own
@@ -122,7 +124,7 @@ def byte_class(build: Build, name: str, chunk_blocks: int) -> tuple[str, str]:
     GDN generations differ only when a chunk has several blocks (C > N): with
     C = N the chunk-end block is the whole chunk.
     """
-    fam, gen = family(name), build.generation
+    fam, gen = family(name), generation(build, keys)
     gdn = "gdn-any" if chunk_blocks == 1 else ("gdn-all" if gen == "old" else "gdn-end")
     if fam == "pure-k1":
         return "engine", "full"
@@ -151,8 +153,23 @@ LOSSY = "one-page"  # class prefix of pristine sub-paged objects (1 of k pages p
 #          reader (the other way round the pristine reader reads the KV bytes
 #          and ignores the trailer).
 # "layout" is the series as it stands (12).
-KEYS = ("today", "05", "06", "12")
-CURRENT_KEYS = "12"
+#   053-06 12's keys plus 0.5.3's own 06-state-chunk-ends (hybrid-fa revision 9
+#          on 0.5.3): patched 0.5.3 writes a hybrid as patched 0.5.4/0.5.5 do
+#          (one-block GDN window, separate namespaced object groups).
+KEYS = ("today", "05", "06", "12", "053-06")
+CURRENT_KEYS = "053-06"
+# the revisions whose patched builds seal fs objects with a checksum trailer
+CHECKSUMMED_KEYS = ("12", "053-06")
+
+
+def generation(build: Build, keys: str = "layout") -> str:
+    """The GDN/FA generation a build writes with the series at ``keys``:
+    the release's (:attr:`Build.generation`), except patched 0.5.3 from
+    053-06 on, which writes the mid generation (its part 06)."""
+    keys = CURRENT_KEYS if keys == "layout" else keys
+    if build.version == "0.5.3" and build.state == "patched" and keys == "053-06":
+        return "mid"
+    return build.generation
 
 
 def namespace(build: Build, name: str, chunk_blocks: int, keys: str = "layout") -> tuple[str, ...]:
@@ -162,9 +179,10 @@ def namespace(build: Build, name: str, chunk_blocks: int, keys: str = "layout") 
     preset and chunk size in tests/ports/test_layout_keys.py (REGISTERED), which
     are design doc 4.1's rule with two deviations the series chose:
 
-    * patched 0.5.3 hybrids at C > N are namespaced even at k = 1 (their
-      all-blocks GDN differs from 0.5.4+'s chunk-end GDN), so patched 0.5.3
-      escapes the P-old <-> P-mid collision;
+    * before 053-06, patched 0.5.3 hybrids at C > N are namespaced even at
+      k = 1 (their all-blocks GDN differs from 0.5.4+'s chunk-end GDN), so
+      patched 0.5.3 escapes the P-old <-> P-mid collision; from 053-06 patched
+      0.5.3 writes as patched 0.5.4/0.5.5 do;
     * from 06, patched 0.5.4-0.5.6 hybrids (any k, 0.5.6 included) write the
       GDN state and the attention as separate object groups, both namespaced;
       the GDN objects are the same on 0.5.4-0.5.6.
@@ -177,15 +195,15 @@ def namespace(build: Build, name: str, chunk_blocks: int, keys: str = "layout") 
         return ("",)
     if fam == "pure":
         return (f"kvl1[pure-pass-major,C={chunk_blocks}N]",)
-    gen = build.generation
-    if keys in ("06", "12") and gen != "old":
+    gen = generation(build, keys)
+    if keys in ("06", "12", "053-06") and gen != "old":
         fa = {"hybrid-k1": "engine", "hybrid": "0.5.6-review" if gen == "new" else "pass-major"}[fam]
         return (f"kvl1[gdn-state,C={chunk_blocks}N]", f"kvl1[fa-{fa},C={chunk_blocks}N]")
     if fam == "hybrid-k1":
         return (f"kvl1[0.5.3-k1,C={chunk_blocks}N]",) if gen == "old" and chunk_blocks > 1 else ("",)
     if gen == "new":  # 05: 0.5.6's re-viewed group is left alone, pristine key
         return ("",)
-    cls, _ = byte_class(build, name, chunk_blocks)
+    cls, _ = byte_class(build, name, chunk_blocks, keys)
     return (f"kvl1[{cls},C={chunk_blocks}N]",)
 
 
@@ -210,11 +228,11 @@ def predicted_outcome(writer: Build, reader: Build, name: str, chunk_blocks: int
     ns_w, ns_r = namespace(writer, name, chunk_blocks, keys), namespace(reader, name, chunk_blocks, keys)
     if ns_w != ns_r:
         return "miss"
-    if keys == "12" and writer.state == "pristine" and reader.state == "patched":
+    if keys in CHECKSUMMED_KEYS and writer.state == "pristine" and reader.state == "patched":
         return "miss"  # no checksum trailer: refused, and rewritten by the reader's next store
     if ns_w != ("",):
         return "exact"
-    (wc, ws), (rc, rs) = byte_class(writer, name, chunk_blocks), byte_class(reader, name, chunk_blocks)
+    (wc, ws), (rc, rs) = byte_class(writer, name, chunk_blocks, keys), byte_class(reader, name, chunk_blocks, keys)
     if wc == rc and not wc.startswith(LOSSY):
         return "exact"
     if ws == "short" and rs == "full":
@@ -257,7 +275,7 @@ def _predicted_on_redis(writer: Build, reader: Build, name: str, chunk_blocks: i
         return "miss"
     if ns_w != ("",):
         return "exact"
-    (wc, ws), (rc, rs) = byte_class(writer, name, chunk_blocks), byte_class(reader, name, chunk_blocks)
+    (wc, ws), (rc, rs) = byte_class(writer, name, chunk_blocks, keys), byte_class(reader, name, chunk_blocks, keys)
     if wc == rc and not wc.startswith(LOSSY):
         return "exact"
     if ws != rs:
