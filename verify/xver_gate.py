@@ -489,7 +489,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="take the patch series from this git commit (e.g. HEAD) instead of the working tree")
     ap.add_argument("--expect", choices=["layout", "today", "05", "06", "12", "053-06"], default="layout",
                     help="check cells against the outcome the byte classes predict with these keys: layout "
-                         "(default: the series as it stands, = 12), 06 (06's keys without object checksums: "
+                         "(default: the series as it stands, = 053-06), 12 (before 0.5.3's part 19: use with "
+                         "--exclude-patch 19-state-chunk-ends), 06 (06's keys without object checksums: "
                          "use with --exclude-patch 12-l2-checksum), 05 (up to 05-layout-keys), today (bare keys: "
                          "use with --exclude-patch 05-layout-keys)")
     ap.add_argument("--tier", choices=list(TIERS),
