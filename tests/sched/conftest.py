@@ -43,8 +43,9 @@ R2_PARTS = ("06-", "07-", "08-", "11-")
 R4_PARTS = ("09-", "10-", "11-", "12-")
 # Parts newer than every baseline build, dropped from r1 and r3 too: part 15
 # (vLLM 0.34's scheduler output) edits lines that parts 03/08 wrote, so its
-# hunks apply only on the whole series (and the baselines predate it).
-LATER_PARTS = ("15-",)
+# hunks apply only on the whole series (and the baselines predate it); part 19
+# (0.5.3's port of 06, its revision 9) likewise.
+LATER_PARTS = ("15-", "19-")
 
 
 def tracked_series(version: str) -> list[Path]:

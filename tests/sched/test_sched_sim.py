@@ -40,7 +40,13 @@ def expected_build(version: str) -> str:
     ``LMCACHE_PATCHTOOL_SCHED_EXPECT`` overrides it."""
     if env := os.environ.get("LMCACHE_PATCHTOOL_SCHED_EXPECT"):
         return env
-    return "r2" if any((REPO / "patches" / "hybrid-fa" / version).glob("06-*.patch")) else "r1"
+    return "r2" if has_state_chunk_ends(version) else "r1"
+
+
+def has_state_chunk_ends(version: str) -> bool:
+    """Whether the tracked series has part 06 (0.5.4+) or its 0.5.3 port, 19."""
+    series = REPO / "patches" / "hybrid-fa" / version
+    return any(series.glob("06-*.patch")) or any(series.glob("19-state-chunk-ends.patch"))
 
 
 # r1's measured usefulness under multi-block prefill steps: chunk 0 is
@@ -70,8 +76,7 @@ MULTI_BLOCK = ("2048-c1-8N", "2048-c2-8N", "8192-c1-16N", "2048-lpt1200-c1-8N",
 def one_block_only(version: str, build: str) -> bool:
     """Builds whose connector enforces one block per prefill step: 0.5.3's
     own rule, which its part 06 (hybrid-fa revision 9) relaxes to >= 1 block."""
-    return version == "0.5.3" and (build != "patched" or not any(
-        (REPO / "patches" / "hybrid-fa" / version).glob("06-*.patch")))
+    return version == "0.5.3" and (build != "patched" or not has_state_chunk_ends(version))
 
 
 def _runs(sched_run, version: str, build: str) -> dict[str, dict[str, Any]]:
