@@ -69,7 +69,8 @@ def namespaces() -> dict[str, str]:
     out["k1_attention"] = namespace([_group(engine_group_idx=0)], [544], [(2, 1, 544, 512)],
                                     [torch.bfloat16])
     # A hybrid's state group next to a k = 1 attention group: "" while it keeps
-    # one block per chunk, namespaced when it keeps two (0.5.3's all-blocks GDN).
+    # one block per chunk, namespaced when it keeps two (0.5.3's all-blocks GDN
+    # before its part 19).
     state = dict(engine_group_idx=0, sw_size_tokens=544, recurrent_state=True)
     attn = dict(engine_group_idx=1)
     shapes = [(1, 3, 544, 2048), (2, 1, 544, 512)]

@@ -44,7 +44,8 @@ Evidence schema (``--json FILE``; ``schema`` = :data:`SCHEMA`)::
           "not_constructed_reason": null | "<one line>",
           "scenarios_run": [...],       # constructed and run to completion
           "scenarios_refused": [...],   # the connector refuses the config by design
-                                        # (0.5.3: one block per prefill step)
+                                        # (pristine 0.5.3, and its series before part 19:
+                                        # one block per prefill step)
           "divergences": 0,             # steps x requests where the block ids the connector
                                         # tracks differ from vLLM's (KVCacheManager lists, and
                                         # on 0.30+ kv_connector_block_state), first runs and
@@ -65,7 +66,7 @@ Evidence schema (``--json FILE``; ``schema`` = :data:`SCHEMA`)::
                                         # the pristine build of this (lmcache, vllm) stores a
                                         # wrong block, hits or restores a wrong state in a
                                         # multi-block scenario; null when no such scenario
-                                        # runs (0.5.3) or pristine was not in the run
+                                        # runs (pristine 0.5.3) or pristine was not in the run
           "sim_passes": true | false,   # patched/worktree: constructed, 0 divergences,
                                         # 0 wrong stores/hits, 0 restores from a wrong state
                                         # beyond the known ones, 0 inconsistencies/errors;
@@ -303,7 +304,8 @@ def extended_verdict(sub: dict[str, Any], build: str) -> tuple[bool | None, bool
     stores or states, no error) and no scenario raised; useful: what it holds reaches MIN_SHARE of
     the ideal (the second requests' hits and, for the two-request scenarios, what LMCache holds
     after B).  Pristine: (None, None).  The support table reads ``passes`` (correctness, as for
-    every vLLM); usefulness is reported beside it (0.5.3 refuses some chunks by design)."""
+    every vLLM); usefulness is reported beside it (0.5.3 refused some chunks by design before its
+    part 19)."""
     if build == "pristine":
         return None, None
     shares = [(sub["hit_tokens"], sub["ideal_tokens"]),
