@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; --list shows them")
+    if args.keep_work:
+        args.keep_work.mkdir(parents=True, exist_ok=True)  # one more run's work dirs beside earlier ones
     started = time.monotonic()
     venv = provision_engine.engine_env()
     python = venv / "bin" / "python"

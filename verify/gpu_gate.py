@@ -1089,7 +1089,10 @@ class GateRun:
             raise EngineRefused(f"vLLM with LMCache exited before it was ready ({role}): {line}") from None
         self._check_engine_geometry(role, self.procs.get(f"vllm-{role}"))
         # warm-up: one short distinct request, so JIT/graph capture is not in anyone's TTFT; "context":
-        # a distinct prompt of two blocks and a bit, twice (the second a prefix hit of this engine)
+        # a distinct prompt of two blocks and a bit, twice (the second a prefix hit of this engine).
+        # It asks for the arms' logprobs: vLLM compiles its sampler's logprob gather (torch.compile,
+        # Sampler.gather_logprobs) at the first request that asks for logprobs, seconds on a CPU, which
+        # without this landed in the first measured request of the arm (profiled: docs/engine-gate.md)
         ids = self.tokenizer.encode(f"Warm-up request for the {role} arm of run {self.run_id}. Reply OK.")
         sends = [ids]
         if c.warmup == "context":
@@ -1097,7 +1100,8 @@ class GateRun:
             sends = [(ids + gp.filler_ids(self.tokenizer, n, c.seed + 11))[:n]] * 2
         t0 = time.perf_counter()
         for one in sends:
-            client.stream_completion(self._vllm_url(), "gate-model", one, max_tokens=2, timeout=c.request_timeout)
+            client.stream_completion(self._vllm_url(), "gate-model", one, max_tokens=2, timeout=c.request_timeout,
+                                     extra=self._lp_extra())
         self.note(role.upper(), f"vLLM ready, warm-up ({c.warmup}) {time.perf_counter() - t0:.2f} s")
 
     def _start(self, name: str, role: str, argv: list[str], probe: Any, timeout: float) -> None:
