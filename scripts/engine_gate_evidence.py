@@ -120,6 +120,10 @@ SCENARIOS: dict[str, dict] = {
                     "what": "stacked 0.5.6, multi-block steps, 3k/8k/16k with the cold arm: TTFT cold, restored, "
                             "vLLM's own prefix hit, the first restored prompt after the restart beside the next; "
                             "the follow-ups (mid-step prefix, decode continuation) and the server restarted alone"},
+    "hybrid-ttft": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK, "control": None, "expect": "pass",
+                    "lengths": "3k,8k,16k", "args": ["--max-num-batched-tokens", "0", "--first-restore-probe"],
+                    "what": "hybrid-full's TTFT arms alone (bench/bench_engine_restore.py): cold, restored (the "
+                            "first after the restart and the next), vLLM's own prefix hit; no follow-ups"},
     "hybrid-ttft-context-warmup": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK, "control": None,
                                    "expect": "pass", "lengths": "3k,8k,16k",
                                    "args": ["--max-num-batched-tokens", "0", "--first-restore-probe",

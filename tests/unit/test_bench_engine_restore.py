@@ -62,3 +62,27 @@ def test_render_prints_the_ratios_and_the_load():
     text = ber.render(ber.rows(RESULT, ber.server_side(LOG)), (1.5, 2.25), "0.5.6")
     assert "load 1.50 -> 2.25" in text and "LMCache 0.5.6 stacked" in text
     assert "7.000x" in text and "0.500x" in text
+
+
+def _ev(p: int, pp: int, f: str, t0: float, t1: float, r: str | None = None) -> dict:
+    return {"p": p, "pp": pp, "f": f, "t0": t0, "t1": t1, "r": r}
+
+
+def test_breakdown_reads_the_restore_engine_and_clips_each_call_to_its_window():
+    lookup, load = "LMCacheMPConnector.get_num_new_matched_tokens", "LMCacheMPConnector.start_load_kv"
+    events = [
+        # an earlier engine (the store arm): never read
+        _ev(10, 1, "Scheduler.add_request", 0.0, 0.0, "old"), _ev(11, 10, load, 0.1, 0.9),
+        # the restore engine (EngineCore 20, its worker 21): warm-up, then the first restore
+        _ev(20, 1, "Scheduler.add_request", 100.0, 100.0, "warm-up"),
+        _ev(20, 1, "Scheduler.add_request", 101.0, 101.0, "req-1"),
+        _ev(20, 1, lookup, 101.01, 101.02, "req-1"), _ev(20, 1, lookup, 101.05, 101.06, "req-1"),
+        _ev(20, 1, lookup, 101.05, 101.06, "someone-else"),
+        _ev(21, 20, load, 101.08, 101.30),  # half of it after the 0.2 s window
+        _ev(99, 1, load, 101.0, 101.1),  # another process: not this engine's
+    ]
+    [row] = ber.breakdown(events, [("first", 0.2)])
+    assert row["request"] == "req-1" and row["ttft_ms"] == 200.0
+    assert row["lookup_polls"] == 2 and row["until_last_poll_ms"] == 60.0
+    assert row[lookup] == 30.0  # three polls inside the window, one of another request's
+    assert row[load] == 120.0  # clipped at 101.2; process 99 and the store engine not counted

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import os
+import runpy
 import sys
 
 _TARGET = "llvmlite.binding.ffi"
@@ -71,3 +73,9 @@ if _TARGET in sys.modules:
     _fix(sys.modules[_TARGET])
 else:
     sys.meta_path.insert(0, _Finder())
+
+# Measurement only (bench/bench_engine_restore.py --trace): a file named here is run in every
+# process that loads this shim, to time vLLM's and the connector's calls.  Unset: nothing runs.
+_TRACE = os.environ.get("LMCACHE_PATCHTOOL_ENGINE_TRACE")
+if _TRACE:
+    runpy.run_path(_TRACE, run_name="lmcache_patchtool_engine_trace")
