@@ -20,8 +20,6 @@ buffered write per call.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import json
 import os
 import sys
@@ -70,31 +68,14 @@ def _wrap(cls: type, method: str) -> None:
     setattr(cls, method, traced)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; runs the real loader of a target module, then wraps it."""
-
-    def find_spec(self, fullname, path, target=None):  # noqa: ANN001 - importlib protocol
-        if fullname not in TARGETS:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):  # noqa: ANN001
-            run(module)
-            for cls_name, methods in TARGETS[fullname].items():
-                cls = getattr(module, cls_name, None)
-                for m in methods if cls is not None else ():
-                    _wrap(cls, m)
-
-        spec.loader.exec_module = exec_module
-        return spec
+def _wrap_module(module) -> None:  # noqa: ANN001
+    for cls_name, methods in TARGETS[module.__name__].items():
+        cls = getattr(module, cls_name, None)
+        for m in methods if cls is not None else ():
+            _wrap(cls, m)
 
 
 if _DIR:
-    sys.meta_path.insert(0, _Finder())
+    # the engine shim's import hook (this file runs from the shim, which is sitecustomize)
+    after_import = sys.modules["sitecustomize"].AfterImport
+    sys.meta_path.insert(0, after_import({name: _wrap_module for name in TARGETS}))

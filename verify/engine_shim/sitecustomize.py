@@ -26,6 +26,8 @@ import importlib.util
 import os
 import runpy
 import sys
+from collections.abc import Callable
+from types import ModuleType
 
 _TARGET = "llvmlite.binding.ffi"
 MARK = "_lmcache_patchtool_engine_shim"
@@ -46,11 +48,16 @@ def _fix(module) -> None:
     setattr(cls, MARK, True)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the real loader of ``llvmlite.binding.ffi``."""
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: runs the real loader of each named module, then the function
+    given for it on the loaded module (also used by bench/engine_trace.py)."""
+
+    def __init__(self, after: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.after = after
 
     def find_spec(self, fullname, path, target=None):  # noqa: ANN001 - importlib protocol
-        if fullname != _TARGET:
+        then = self.after.get(fullname)
+        if then is None:
             return None
         sys.meta_path.remove(self)
         try:
@@ -63,7 +70,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def exec_module(module) -> None:  # noqa: ANN001
             run(module)
-            _fix(module)
+            then(module)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -72,7 +79,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 if _TARGET in sys.modules:
     _fix(sys.modules[_TARGET])
 else:
-    sys.meta_path.insert(0, _Finder())
+    sys.meta_path.insert(0, AfterImport({_TARGET: _fix}))
 
 # Measurement only (bench/bench_engine_restore.py --trace): a file named here is run in every
 # process that loads this shim, to time vLLM's and the connector's calls.  Unset: nothing runs.
