@@ -233,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             [(str(r.prompt_tokens), r.restored_s) for r in out if r.restored_s]
         spans = breakdown(read_trace(keep / "trace"), windows)
         print(render_breakdown(spans))
-    verdict = (result.get("verdict") or {}).get("status") if isinstance(result.get("verdict"), dict) \
-        else result.get("verdict")
+    verdict = (result.get("verdict") or {}).get("status")
     if args.json:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True).stdout.strip()

@@ -124,13 +124,6 @@ SCENARIOS: dict[str, dict] = {
                     "lengths": "3k,8k,16k", "args": ["--max-num-batched-tokens", "0", "--first-restore-probe"],
                     "what": "hybrid-full's TTFT arms alone (bench/bench_engine_restore.py): cold, restored (the "
                             "first after the restart and the next), vLLM's own prefix hit; no follow-ups"},
-    "hybrid-ttft-context-warmup": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK, "control": None,
-                                   "expect": "pass", "lengths": "3k,8k,16k",
-                                   "args": ["--max-num-batched-tokens", "0", "--first-restore-probe",
-                                            "--warmup", "context"],
-                                   "what": "hybrid-full's TTFT with every engine warmed up by a two-block prompt "
-                                           "twice (its second a prefix hit): is the first restore's extra cost "
-                                           "vLLM's first prefill with context, or LMCache's"},
     # lmcache-driven transfer (LMCache's CPU shared-memory path) forced on the CPU worker
     "hybrid-lmcache-driven": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK, "control": None,
                               "expect": "fail",
