@@ -170,8 +170,15 @@ def test_shared_pristine_reader_misses_its_own_objects_after_a_size_mismatch(tmp
     assert got[p5.label]["outcome"] == got[p5.label]["expected"] == "miss", describe(got[p5.label])
     own = got[P6.label]
     assert own["expected"] == "exact" and own["outcome"] == "miss" and own["chunks_hit"] == 0, describe(own)
-    # the server's native client logged the 3 loads of 0.5.5's objects, and nothing of its own
-    assert result["readers"][f"{P6.label}/cb1"]["native_get_failures"] == {"GET: size header mismatch": 3}
+    # the server's native client logged the loads of 0.5.5's 3 objects as size
+    # mismatches, and no other kind of failure.  Here it logs each once (3, in every
+    # run on a quiet and on a loaded machine); one cold CI run on a loaded machine
+    # logged 6 (stop 44): the same reason, the same miss.  The count is timing, the
+    # reason and the outcome are the behaviour, so the test pins those.
+    failures = result["readers"][f"{P6.label}/cb1"]["native_get_failures"]
+    assert set(failures) == {"GET: size header mismatch"}, failures
+    count = failures["GET: size header mismatch"]
+    assert count >= 3 and count % 3 == 0, failures
     assert proc.returncode == 1 and [c["writer"] for c in result["mismatches"]] == [P6.label]
 
 
