@@ -23,6 +23,7 @@ from .provenance import read_provenance, split_local, wheel_build_info
 from .record import Record, check_rows
 from .state import STATE_FILE, InstallState, Leftover, find_leftover
 from .target import Discovery, Target
+from .prerelease import prerelease_note
 from .vllm_compat import vllm_notes
 from . import upstream
 
@@ -244,6 +245,8 @@ def assess(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = False
             st.sets = [_set_state(pset, st)]
     if t is not None:
         st.vllm_version = installed_version(discovery.site_dirs, "vllm")
+        pre = prerelease_note(st.lmcache_version)
+        st.notes += [pre] if pre and pre not in st.notes else []
         st.notes += vllm_notes(st.vllm_version, st.vllm_versions if st.patch_set else None,
                                lmcache=st.lmcache_version, state=st.state.value if st.state else None)
         st.leftover_state = _leftover(t, reader)

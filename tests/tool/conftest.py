@@ -17,7 +17,7 @@ import provision
 from .helpers import (REPO, cli, copy_venv, insert_after, replace_line, site_of, wheel_member,
                       write_diff)
 
-VERSIONS = ("0.5.3", "0.5.4", "0.5.5", "0.5.6")
+VERSIONS = ("0.5.3", "0.5.4", "0.5.5", "0.5.6", "0.5.7rc2")
 # Files of the 0.5.3 wheel the test series touches; F1 is touched by both patches.
 F1 = "lmcache/v1/kv_layer_groups.py"
 F2 = "lmcache/v1/platform/base/cache_context.py"
