@@ -92,6 +92,9 @@ CI_EDGES: tuple[tuple[Build, Build], ...] = (
     (B("0.5.5-patched"), B("0.5.6-patched")),
     (B("0.5.6-patched"), B("0.5.5-patched")),
     (B("0.5.3-patched"), B("0.5.4-patched")),
+    # the pre-release and back: 0.5.7rc2 keeps 0.5.6's object keys and bytes
+    (B("0.5.6-patched"), B("0.5.7rc2-patched")),
+    (B("0.5.7rc2-patched"), B("0.5.6-patched")),
 )
 # The gate's positive control: an upstream wrong hit (pristine 0.5.6 writes
 # 0.5.6's re-viewed hybrid objects, pristine 0.5.4 reads a longer file under the
@@ -467,7 +470,7 @@ def rejudge(path: Path, args: argparse.Namespace) -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--all", action="store_true", help="every writer x every reader (8 x 8 builds)")
+    ap.add_argument("--all", action="store_true", help="every writer x every reader (10 x 10 builds: 0.5.3-0.5.7rc2, pristine and patched)")
     ap.add_argument("--ci", action="store_true", help="the CI edges (" + ", ".join(
         f"{w.short}>{r.short}" for w, r in CI_EDGES) + ")")
     ap.add_argument("--edges-for", metavar="V", help="the CI edges with version V on either side")

@@ -2,7 +2,7 @@
 over one persistent fs L2 directory (verify/xver_gate.py).
 
 * CI subset: the upgrade/downgrade edges operators meet (xver_gate.CI_EDGES,
-  six pairs), every preset, one and two blocks per chunk, in ONE orchestrator
+  eight pairs, 0.5.6 <-> 0.5.7rc2 patched among them), every preset, one and two blocks per chunk, in ONE orchestrator
   run (writers shared, one reader server per reader build and chunk size).
   Every cell must be what ``expected_outcome`` requires: never a wrong hit,
   an exact hit where the layouts are byte-identical, a miss otherwise.
@@ -11,7 +11,7 @@ over one persistent fs L2 directory (verify/xver_gate.py).
   that no patch can fix; the gate must call it ``wrong``.
 * A reader whose regenerated source bytes disagree with the writer's digest
   refuses to judge (exit 2, one line naming it).
-* Full matrix (8 x 8 builds x 4 presets x 2 chunk sizes, ~15 min on 2 CPUs):
+* Full matrix (10 x 10 builds x 4 presets x 2 chunk sizes, ~24 min on 2 CPUs):
   opt-in with ``LMCACHE_PATCHTOOL_XVER_FULL=1``.
 
 The patched builds use the working tree's series (``patches/hybrid-fa/<V>``);
@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "verify"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import xver_gate  # noqa: E402  (stdlib + provision + xver_outcome: no torch)
-from lmcache_patchtool_verify.xver_outcome import PRESETS, Build, expected_outcome  # noqa: E402
+from lmcache_patchtool_verify.xver_outcome import ALL_BUILDS, PRESETS, Build, expected_outcome  # noqa: E402
 from xver_run import run_xver  # noqa: E402  (this folder's helper)
 
 FULL = os.environ.get("LMCACHE_PATCHTOOL_XVER_FULL") == "1"
@@ -126,7 +126,7 @@ def test_upstream_wrong_hit_is_reported_wrong(tmp_path: Path) -> None:
 def test_full_matrix_matches_expected_outcome(tmp_path: Path) -> None:
     proc, result = run_xver(tmp_path, "--all", timeout=5400)
     assert result["verdict"] != "error", result.get("reason")
-    assert len(result["cells"]) == 64 * len(PRESETS) * 2
+    assert len(result["cells"]) == len(ALL_BUILDS) ** 2 * len(PRESETS) * 2
     off = [describe(c) for c in result["cells"] if not c["as_expected"]]
     assert not off, f"{len(off)} cells differ from expected_outcome:\n" + "\n".join(off)
     assert proc.returncode == 0

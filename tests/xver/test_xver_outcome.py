@@ -73,7 +73,7 @@ def test_same_build_exact_unless_it_has_the_one_of_k_bug() -> None:
     re-views a hybrid's attention, so pristine 0.5.6 hybrids are right."""
     for b, name, cb in itertools.product(xo.ALL_BUILDS, xo.PRESETS, xo.CHUNK_BLOCKS):
         buggy = b.state == "pristine" and xo.preset(name).k > 1 and not (
-            b.version == "0.5.6" and xo.family(name) == "hybrid")
+            b.generation == "new" and xo.family(name) == "hybrid")
         want = "wrong" if buggy else "exact"
         assert expected_outcome(b, b, name, cb) == want, (b, name, cb)
         assert predicted_outcome(b, b, name, cb, "today") == want, (b, name, cb)
@@ -91,11 +91,11 @@ def test_shared_objects_hit_exactly(cb: int) -> None:
         if w.state == r.state == "patched":
             assert expected_outcome(w, r, "pure-attn-bs128", cb) == "exact", (w, r)  # one fingerprint
     # 06: separate, namespaced GDN + attention objects (0.5.3: its own part 06, keys 053-06)
-    sep = [S["0.5.3"], S["0.5.4"], S["0.5.5"], S["0.5.6"]]
+    sep = [S[v] for v in xo.VERSIONS]
     bare = [P[v] for v in xo.VERSIONS]
     for w, r in itertools.product(sep, sep):
         assert expected_outcome(w, r, "control-k1", cb) == "exact", (w, r)  # same GDN, same k=1 attention
-        fa_same = (w.version == "0.5.6") == (r.version == "0.5.6")  # 0.5.6's attention is re-viewed
+        fa_same = (w.generation == "new") == (r.generation == "new")  # 0.5.6+'s attention is re-viewed
         assert expected_outcome(w, r, "qwen35-0.8b", cb) == ("exact" if fa_same else "miss"), (w, r)
     for w, r in itertools.product(sep, bare):
         for name in ("qwen35-0.8b", "control-k1"):
@@ -268,9 +268,10 @@ def test_edges_for_selects_the_ci_edges_of_a_version() -> None:
     sys.path.insert(0, str(REPO / "scripts"))
     import xver_gate  # noqa: PLC0415
 
-    assert len(xver_gate.CI_EDGES) == 6
+    assert len(xver_gate.CI_EDGES) == 8
     assert {(w.label, r.label) for w, r in xver_gate.edges_for("0.5.4")} == {("0.5.3-patched", "0.5.4-patched")}
-    assert len(xver_gate.edges_for("0.5.6")) == 4
+    assert len(xver_gate.edges_for("0.5.6")) == 6
+    assert len(xver_gate.edges_for("0.5.7rc2")) == 2
     assert xver_gate.edges_for("0.5.2") == []
 
 

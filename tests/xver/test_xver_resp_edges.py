@@ -17,7 +17,7 @@ does.
   and the trailer, a pristine writer's none; a patched reader's adapter
   refused no object (its misses are absent keys); the gate deletes its keys.
 * ``--tier redis`` starts and stops a private redis-server.
-* Full matrix (8 x 8 builds x 4 presets x 2 chunk sizes on one private
+* Full matrix (10 x 10 builds x 4 presets x 2 chunk sizes on one private
   Redis, ~15-25 min on 2 CPUs): opt-in with ``LMCACHE_PATCHTOOL_XVER_FULL=1``.
 
 ``LMCACHE_PATCHTOOL_XVER_ARGS`` adds xver_gate.py arguments to every run (e.g.
@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import xver_gate  # noqa: E402  (stdlib + provision + xver_outcome: no torch)
 from lmcache_patchtool_verify.redis_proc import ping  # noqa: E402
-from lmcache_patchtool_verify.xver_outcome import PRESETS, Build, expected_outcome  # noqa: E402
+from lmcache_patchtool_verify.xver_outcome import ALL_BUILDS, PRESETS, Build, expected_outcome  # noqa: E402
 from xver_run import run_xver  # noqa: E402  (this folder's helper)
 
 FULL = os.environ.get("LMCACHE_PATCHTOOL_XVER_FULL") == "1"
@@ -199,7 +199,7 @@ def test_tier_redis_starts_and_stops_a_private_server(tmp_path: Path) -> None:
 def test_full_resp_matrix_matches_expected_outcome(tmp_path: Path) -> None:
     proc, result = run_xver(tmp_path, "--all", "--tier", "redis", timeout=5400)
     assert result["verdict"] != "error", result.get("reason")
-    assert len(result["cells"]) == 64 * len(PRESETS) * 2
+    assert len(result["cells"]) == len(ALL_BUILDS) ** 2 * len(PRESETS) * 2
     off = [describe(c) for c in result["cells"] if not c["as_expected"]]
     assert not off, f"{len(off)} cells differ from expected_outcome on redis:\n" + "\n".join(off)
     assert not [describe(c) for c in result["cells"] if c["outcome"] == "wrong" and "patched" in

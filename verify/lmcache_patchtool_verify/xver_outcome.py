@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 from . import geometry
 
-VERSIONS = ("0.5.3", "0.5.4", "0.5.5", "0.5.6")
+VERSIONS = ("0.5.3", "0.5.4", "0.5.5", "0.5.6", "0.5.7rc2")
 STATES = ("pristine", "patched")
 OUTCOMES = ("exact", "miss", "wrong")
 # The L2 tier a writer and a reader share: LMCache's fs adapter over one
@@ -86,7 +86,7 @@ class Build:
         (0.5.4/0.5.5: chunk-end GDN), new (0.5.6: chunk-end GDN, sub-paged FA
         re-viewed by the connector).  What a build writes also depends on the
         series revision: :func:`generation`."""
-        return {"0.5.3": "old", "0.5.4": "mid", "0.5.5": "mid", "0.5.6": "new"}[self.version]
+        return {"0.5.3": "old", "0.5.4": "mid", "0.5.5": "mid", "0.5.6": "new", "0.5.7rc2": "new"}[self.version]
 
     @classmethod
     def parse(cls, text: str) -> "Build":
