@@ -24,7 +24,7 @@ from .record import Record, check_rows
 from .state import STATE_FILE, InstallState, Leftover, find_leftover
 from .target import Discovery, Target
 from .prerelease import prerelease_note
-from .vllm_compat import vllm_notes
+from .vllm_compat import carries_sched_output_fix, vllm_notes
 from . import upstream
 
 @dataclass
@@ -247,8 +247,10 @@ def assess(discovery: Discovery, pset: PatchSetDir | None, *, deep: bool = False
         st.vllm_version = installed_version(discovery.site_dirs, "vllm")
         pre = prerelease_note(st.lmcache_version)
         st.notes += [pre] if pre and pre not in st.notes else []
+        layers_sets = [s for s in (stack or [pset]) if s is not None]
         st.notes += vllm_notes(st.vllm_version, st.vllm_versions if st.patch_set else None,
-                               lmcache=st.lmcache_version, state=st.state.value if st.state else None)
+                               lmcache=st.lmcache_version, state=st.state.value if st.state else None,
+                               carries_sched_fix=carries_sched_output_fix(layers_sets) if layers_sets else None)
         st.leftover_state = _leftover(t, reader)
         fixes = upstream.fixed_upstream(t.site, reader)
         st.fixed_upstream = [p.as_dict() for p in fixes]

@@ -10,6 +10,7 @@ vLLM is never imported) and the patch set's ``vllm_versions``.  Stdlib only:
 from __future__ import annotations
 
 import re
+from typing import Any, Iterable
 
 # vLLM 0.33.0 pins torch 2.14.0 (0.27.1-0.32 pin 2.13.0).  No CPU wheel of
 # 2.14.0 exists, so this project has not loaded LMCache's native extensions
@@ -58,19 +59,32 @@ def public(version: str) -> str:
     return version.strip().split("+", 1)[0]
 
 
+# The hybrid-fa part that reads vLLM 0.34's scheduler output (its id ends so on every series).
+SCHED_OUTPUT_PART_SUFFIX = "-vllm034-scheduler-output"
+
+
+def carries_sched_output_fix(sets: Iterable[Any]) -> bool:
+    """Whether one of these patch sets (``PatchSetDir``-like: ``.manifest.patches[i].id``)
+    ships the scheduler-output part, so that an install patched with it serves vLLM >= 0.34."""
+    return any(p.id.endswith(SCHED_OUTPUT_PART_SUFFIX) for s in sets for p in s.manifest.patches)
+
+
 def vllm_notes(vllm: str | None, verified: list[str] | None, *, lmcache: str | None = None,
-               state: str | None = None) -> list[str]:
+               state: str | None = None, carries_sched_fix: bool | None = None) -> list[str]:
     """Notes for an lmcache install next to vLLM ``vllm`` (None: no vLLM found).
     ``verified`` is the patch set's ``vllm_versions``; None when there is no
     patch set (then there is nothing to be verified against).  ``lmcache`` and
-    ``state`` (the install's version and state) word the scheduler-output note."""
+    ``state`` (the install's version and state) word the scheduler-output note;
+    ``carries_sched_fix`` says whether the set ships the scheduler-output part
+    (None: unknown, then a set verified with a vLLM >= 0.34 is taken to)."""
     if not vllm:
         return []
     notes = []
     rel = release(vllm)
     if rel is not None and rel >= TORCH_214_VLLM:
         notes.append(TORCH_214_NOTE.format(vllm=vllm))
-    note = scheduler_output_note(vllm, verified, lmcache=lmcache, state=state)
+    note = scheduler_output_note(vllm, verified, lmcache=lmcache, state=state,
+                                 carries_sched_fix=carries_sched_fix)
     if note:
         notes.append(note)
     if verified is not None and public(vllm) not in {public(v) for v in verified}:
@@ -79,19 +93,24 @@ def vllm_notes(vllm: str | None, verified: list[str] | None, *, lmcache: str | N
 
 
 def scheduler_output_note(vllm: str, verified: list[str] | None, *, lmcache: str | None = None,
-                          state: str | None = None) -> str | None:
+                          state: str | None = None, carries_sched_fix: bool | None = None) -> str | None:
     """The vLLM >= 0.34 scheduler-output note, or None: an older vLLM, or an install of the
-    shipped revision of a patch set verified with a vLLM >= 0.34 (its part 15 reads vLLM's
-    scheduler output either way; whether *this* vLLM was verified is NOT_VERIFIED_NOTE's job)."""
+    shipped revision of a patch set that ships part 15 (known from its parts, else from its
+    verification with a vLLM >= 0.34; part 15 reads vLLM's scheduler output either way; whether
+    *this* vLLM was verified is NOT_VERIFIED_NOTE's job)."""
     rel = release(vllm)
     if rel is None or rel < SCHED_OUTPUT_VLLM:
         return None
     fixed = [v for v in verified or () if (release(v) or (0, 0)) >= SCHED_OUTPUT_VLLM]
-    if state == "patched" and fixed:
+    ships_fix = bool(fixed) if carries_sched_fix is None else carries_sched_fix
+    if state == "patched" and ships_fix:
         return None
     name = f"LMCache {lmcache}" if lmcache else "LMCache"
     if fixed:
         action = f"apply the patch set verified with vLLM {', '.join(fixed)}: patchtool apply"
+    elif ships_fix:
+        action = ("patchtool apply: this patch set reads vLLM 0.34's scheduler output "
+                  "(not verified with a vLLM >= 0.34 for every geometry)")
     else:
         action = "no patch set of this patchtool serves it yet: keep vLLM <= 0.33 with this LMCache"
     if state == "pristine" or state is None:
@@ -99,7 +118,7 @@ def scheduler_output_note(vllm: str, verified: list[str] | None, *, lmcache: str
                                         scope=", hybrid or not", action=action)
     if state in ("patched", "patched-older-revision"):
         which = "this patched" if state == "patched" else "an older patched revision of"
-        if state == "patched-older-revision" and fixed:
+        if state == "patched-older-revision" and ships_fix:
             action = "patchtool apply upgrades it to the shipped revision, which serves it"
         return SCHED_OUTPUT_NOTE.format(
             who=f"{which} {name}", vllm=vllm,

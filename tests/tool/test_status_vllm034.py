@@ -42,3 +42,23 @@ def test_status_names_the_crash_and_the_fix(tmp_path, bare_envs, version):
     assert st["state"] == "patched" and "0.34.0" in st["vllm_versions"]
     assert not [n for n in st["notes"] if CRASH in n or "not verified with vLLM" in n], st["notes"]
     assert cli("revert", "--python", py).rc == 0
+
+
+def test_rc2_patched_set_serves_034_without_a_crash_note(tmp_path, bare_envs):
+    """0.5.7rc2's set ships part 15 while its verified list lacks vLLM 0.34 (the 0.30+ cells wait
+    for CPU evidence of the padded GDN view): the note keys on the part, so a patched install
+    says nothing of a crash, only that 0.34.0 is not verified; pristine names the crash."""
+    version = "0.5.7rc2"
+    parts = [p["id"] for p in json.loads((REPO / "patches" / "hybrid-fa" / version / "manifest.json")
+                                         .read_text())["patches"]]
+    assert "15-vllm034-scheduler-output" in parts
+    venv = copy_venv(bare_envs[version], tmp_path / "venv")
+    fake_vllm(site_of(venv), "0.34.0")
+    py = str(venv / "bin" / "python")
+    st = cli("status", "--python", py, "--json").json["result"]
+    [note] = [n for n in st["notes"] if CRASH in n]
+    assert note.startswith(f"pristine LMCache {version} {CRASH}"), note
+    assert cli("apply", "--python", py).rc == 0
+    st = cli("status", "--python", py, "--json").json["result"]
+    assert st["state"] == "patched" and not [n for n in st["notes"] if CRASH in n], st["notes"]
+    assert cli("revert", "--python", py).rc == 0

@@ -206,3 +206,33 @@ def test_scheduler_output_note(vllm, verified, state, expect):
     from patchtool.vllm_compat import scheduler_output_note
     note = scheduler_output_note(vllm, verified, lmcache="0.5.6", state=state)
     assert (note is None) if expect is None else (expect in note), note
+
+
+@pytest.mark.parametrize("verified, carries, state, expect", [
+    # 0.5.7rc2: part 15 shipped, verified with vLLM 0.27.1/0.28.0 only (the 0.30+ cells wait for
+    # CPU evidence of the padded GDN view): a patched install serves 0.34, says nothing
+    (["0.27.1", "0.28.0"], True, "patched", None),
+    (["0.27.1", "0.28.0"], True, "pristine", "patchtool apply: this patch set reads vLLM 0.34"),
+    (["0.27.1", "0.28.0"], True, "patched-older-revision", "patchtool apply upgrades it"),
+    # a set without the part, whatever its list says, leaves a patched pure-attention install dying
+    (["0.27.1", "0.34.0"], False, "patched", "pure-attention"),
+])
+def test_scheduler_output_note_keys_on_the_part(verified, carries, state, expect):
+    """The note asks whether the set ships the scheduler-output part, not whether its
+    verified list happens to name a vLLM >= 0.34."""
+    from patchtool.vllm_compat import scheduler_output_note
+    note = scheduler_output_note("0.34.0", verified, lmcache="0.5.7rc2", state=state, carries_sched_fix=carries)
+    assert (note is None) if expect is None else (expect in note), note
+
+
+def test_carries_sched_output_fix_reads_the_shipped_parts():
+    from types import SimpleNamespace as NS
+
+    from patchtool.vllm_compat import carries_sched_output_fix
+
+    def pset(*ids):
+        return NS(manifest=NS(patches=[NS(id=i) for i in ids]))
+
+    assert carries_sched_output_fix([pset("01-a", "15-vllm034-scheduler-output")])
+    assert carries_sched_output_fix([pset("01-a"), pset("15-vllm034-scheduler-output")])
+    assert not carries_sched_output_fix([pset("01-a", "02-b")])
