@@ -92,10 +92,9 @@ CI_EDGES: tuple[tuple[Build, Build], ...] = (
     (B("0.5.5-patched"), B("0.5.6-patched")),
     (B("0.5.6-patched"), B("0.5.5-patched")),
     (B("0.5.3-patched"), B("0.5.4-patched")),
-    # the pre-release and back: 0.5.7rc2 keeps 0.5.6's object keys and bytes
-    (B("0.5.6-patched"), B("0.5.7rc2-patched")),
-    (B("0.5.7rc2-patched"), B("0.5.6-patched")),
 )
+# 0.5.6 <-> the 0.5.7rc2 pre-release: measured once over every state pair
+# (verify/evidence/xver-fs-057rc2.json), kept out of the CI edges for time.
 # The gate's positive control: an upstream wrong hit (pristine 0.5.6 writes
 # 0.5.6's re-viewed hybrid objects, pristine 0.5.4 reads a longer file under the
 # same key) that no change to a patched build can turn into a miss.

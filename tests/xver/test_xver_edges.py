@@ -2,7 +2,7 @@
 over one persistent fs L2 directory (verify/xver_gate.py).
 
 * CI subset: the upgrade/downgrade edges operators meet (xver_gate.CI_EDGES,
-  eight pairs, 0.5.6 <-> 0.5.7rc2 patched among them), every preset, one and two blocks per chunk, in ONE orchestrator
+  six pairs), every preset, one and two blocks per chunk, in ONE orchestrator
   run (writers shared, one reader server per reader build and chunk size).
   Every cell must be what ``expected_outcome`` requires: never a wrong hit,
   an exact hit where the layouts are byte-identical, a miss otherwise.
