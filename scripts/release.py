@@ -46,6 +46,10 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+# sibling scripts: this script's folder is on sys.path when it runs
+import provision
+import workspace
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 SETS = ("hybrid-fa", "engine-driven")
@@ -57,19 +61,11 @@ _FILE = re.compile(r"^(?:checking|patching) file (\S+)", re.MULTILINE)
 _FAILED = re.compile(r"(\d+) out of (\d+) hunks? FAILED")
 
 
-def _wheel(version: str) -> Path:
-    out = subprocess.run([PY, str(REPO / "scripts" / "provision.py"), "wheel", version],
-                         capture_output=True, text=True, check=True).stdout.strip().splitlines()
-    return Path(out[-1])
-
-
 def shipped_parts(version: str, set_name: str) -> list[Path]:
     """One shipped set's parts in manifest order ([] when the set has no such version)."""
-    manifest = REPO / "patches" / set_name / version / "manifest.json"
-    if not manifest.exists():
+    if not (REPO / "patches" / set_name / version / "manifest.json").exists():
         return []
-    doc = json.loads(manifest.read_text())
-    return [manifest.parent / p["file"] for p in doc["patches"]]
+    return workspace.series(version, set_name)
 
 
 @dataclass
@@ -103,7 +99,7 @@ def _failed_hunks(output: str) -> dict[str, str]:
 
 def port_report(new: str, prev: str, wheel: Path | None = None) -> list[PartResult]:
     """PREV's parts tried in order on NEW's wheel (see the module docstring, step 1)."""
-    wheel = wheel or _wheel(new)
+    wheel = wheel or provision.wheel(new)
     results: list[PartResult] = []
     with tempfile.TemporaryDirectory(prefix=f"release-{new}-") as tmp:
         tree = Path(tmp)
@@ -134,7 +130,7 @@ def lmcache_steps(new: str, *, engine: bool) -> list[Step]:
     sets = [s for s in SETS if (REPO / "patches" / s / new).is_dir()]
     if not sets:
         return steps
-    wheel = str(_wheel(new))
+    wheel = str(provision.wheel(new))
     for s in sets:
         steps.append(Step(f"manifest {s}", [PY, "-m", "patchtool", "manifest", "build",
                                              str(REPO / "patches" / s / new), "--wheel", wheel]))

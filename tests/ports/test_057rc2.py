@@ -26,7 +26,8 @@ import sys
 
 import pytest
 
-from .harness_run import REPO, ports_harness, provision, series
+from .harness_run import REPO, ports_harness, provision
+from .test_engine_driven_gate import STACKED, _overlay as stacked_gate_overlay
 
 sys.path.insert(0, str(REPO / "tests" / "verify"))
 from test_restore_gate import by_preset, run_gate  # noqa: E402
@@ -63,16 +64,11 @@ def _preset(name: str) -> str:
     return name.split("/")[0]
 
 
-def overlay(patched: bool, stacked: bool = False):
-    parts = series(VERSION) if patched else []
-    if stacked:
-        parts += sorted((REPO / "patches" / "engine-driven" / VERSION).glob("*.patch"))
-    return provision.overlay(VERSION, parts or None)
-
-
 def gate(patched: bool, presets: list[str], mode: str, stacked: bool = False) -> dict[str, dict]:
+    state = STACKED if stacked else ("hybrid-fa" if patched else "pristine")
     py = provision.runtime_env(VERSION) / "bin" / "python"
-    _, report, _ = run_gate(py, overlay(patched, stacked), presets, "--transfer-mode", mode, timeout=900)
+    _, report, _ = run_gate(py, stacked_gate_overlay(VERSION, state), presets, "--transfer-mode", mode,
+                            timeout=900)
     return by_preset(report)
 
 
