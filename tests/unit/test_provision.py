@@ -8,7 +8,9 @@ progress lines for every step."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -85,19 +87,31 @@ def test_runtime_env_uses_torch_index_and_pip_args(tmp_path, cache, monkeypatch)
                        f"--index-url {empty.as_uri()} --find-links {links}")
     monkeypatch.setenv(provision.TORCH_INDEX_ENV, _simple_index(tmp_path / "torch-index", torch))
 
+    monkeypatch.setattr(provision, "VERSIONS", ("9.9.9",))  # the base takes 9.9.9's dependencies
     venv = provision.runtime_env("9.9.9")
 
     stamp = json.loads((venv / provision.STAMP).read_text())
     assert stamp["torch_build"] == {"version": "2.13.0+cpu", "nvidia_dists": 0, "cuda": False}
     assert stamp["torch_index"].startswith("file://")
-    site = sw.venv_site(venv)
-    assert {p.name.split("-")[0] for p in site.glob("*.dist-info")} >= {"torch", "openai",
-                                                                          "lmcache"}
+    base = Path(stamp["base"])
+    assert base == root / "envs" / "runtime-base-torch2.13.0"
+    # lmcache in the venv itself; torch and openai once, in the shared base, which holds no lmcache
+    dists = lambda v: {p.name.split("-")[0] for p in sw.venv_site(v).glob("*.dist-info")}  # noqa: E731
+    assert "lmcache" in dists(venv) and not {"torch", "openai"} & dists(venv)
+    assert {"torch", "openai"} <= dists(base) and "lmcache" not in dists(base)
+    seen = subprocess.run([str(venv / "bin" / "python"), "-c",
+                           "import torch, openai, lmcache; print(lmcache.__file__)"],
+                          capture_output=True, text=True, check=True).stdout
+    assert seen.startswith(str(venv))
     steps = [line for line in lines if "(step " in line]
     assert [line.split(": ", 2)[2].split(" (step")[0] for line in steps] == [
         "creating the venv", f"installing torch 2.13.0 from {stamp['torch_index']}",
-        "installing lmcache 9.9.9, its dependencies and openai"]
-    assert [line.split("(step ")[1].split(",")[0] for line in steps] == ["1/3", "2/3", "3/3"]
+        "installing lmcache 9.9.9's dependencies and openai",
+        "removing lmcache 9.9.9 (each runtime venv installs its own)",
+        "creating the venv over the shared base runtime-base-torch2.13.0",
+        "installing lmcache 9.9.9 and any dependency the base lacks"]
+    assert [line.split("(step ")[1].split(",")[0] for line in steps] == [
+        "1/4", "2/4", "3/4", "4/4", "1/2", "2/2"]
     assert lines[-1].startswith("provision: runtime 9.9.9: ready in ")
     inv = provision.inventory(("9.9.9",))
     assert inv["wheel"] == {"9.9.9": True} and inv["runtime"] == {"9.9.9": True}
@@ -105,3 +119,15 @@ def test_runtime_env_uses_torch_index_and_pip_args(tmp_path, cache, monkeypatch)
     # cached: no second build, no progress
     lines.clear()
     assert provision.runtime_env("9.9.9") == venv and lines == []
+    # a second version reuses the base: no torch install, its own lmcache
+    sw.make_wheel(root / "wheels" / "lmcache-9.9.8", "9.9.8")
+    other = provision.runtime_env("9.9.8")
+    assert [line.split(": ", 2)[2].split(" (step")[0] for line in lines if "(step " in line] == [
+        "creating the venv over the shared base runtime-base-torch2.13.0",
+        "installing lmcache 9.9.8 and any dependency the base lacks"]
+    assert {p.name for p in sw.venv_site(other).glob("lmcache-*.dist-info")} == {"lmcache-9.9.8.dist-info"}
+    # a base that went away is noticed: the venv is rebuilt, not used half-broken
+    (base / provision.STAMP).unlink()
+    lines.clear()
+    assert provision.runtime_env("9.9.9") == venv
+    assert any("installing torch" in line for line in lines)
