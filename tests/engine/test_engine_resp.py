@@ -8,8 +8,10 @@ tokens >= 95 % of the ideal, the engine healthy after. Patched 0.5.6 stacked (hy
 engine-driven), the tiny hybrid with multi-block prefill steps. Every key on the tier must be
 sealed (part 17): the store went through the patched adapter, not around it.
 
-CI runs the restore across nodes; the damaged-value cell (like the fs tier's damage cells) needs
-LMCACHE_PATCHTOOL_FULL=1.
+CI runs the restore across nodes in the CPU geometry this machine does not pick by itself (the SSM
+state dtype asked for explicitly: block 384 on a CPU with AVX-512 BF16, 640 on one without), so CI
+covers both geometries with test_engine_gate.py's fs cell; the damaged-value cell (like the fs
+tier's damage cells) needs LMCACHE_PATCHTOOL_FULL=1.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import sys
 
 from .conftest import REPO, STACK, overlay, run_gate
-from .test_engine_gate import _passes, full_only
+from .test_engine_gate import OTHER_STATE, _passes, _ran_on, full_only
 
 sys.path.insert(0, str(REPO / "tests"))
 from _redis import running_redis  # noqa: E402
@@ -27,9 +29,11 @@ def test_node_b_answers_from_node_a_stores_on_redis(tmp_path, engine_python, hyb
     with running_redis(tmp_path) as redis:
         rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k", "--no-cold-arm",
                                    "--max-num-batched-tokens", "0", "--redis-url", redis.url,
+                                   "--mamba-ssm-cache-dtype", OTHER_STATE,
                                    "--lmcache-overlay", str(overlay("0.5.6", STACK)))
         keys = [k.decode() for k in redis.client().scan_iter(count=1000)]
     _passes(rc, result, err)
+    _ran_on(result, OTHER_STATE, OTHER_STATE)
     assert result["config"]["redis_url"] == redis.url
     assert keys and all(k.startswith("lmcptsum1@") for k in keys), keys[:3]
     assert result["flush"]["main"]["files"] == len(keys)  # what the store arm flushed is what Redis holds

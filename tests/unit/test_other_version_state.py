@@ -153,5 +153,5 @@ def test_a_link_in_the_state_dir_is_refused(site, other_site, two_versions, tmp_
     assert r.rc == 3, (r.rc, r.err)
     lines = r.err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"patchtool: {link}: ")
-    assert "symbolic link" in lines[0] and len(lines[0]) < 200
+    assert "symbolic link" in lines[0] and len(lines[0].replace(str(link), "")) < 150  # one line, whatever the tmp path
     assert tree_hashes(site) == before and outside.read_bytes() == b"x\n"
