@@ -164,6 +164,16 @@ PRESETS: dict[str, Geometry] = {
     )
 }
 
+# Presets a cell names on purpose and no matrix iterates (PRESETS and every gate's "all" stay what
+# the recorded evidence has): pure attention at FlashInfer's --block-size 256 over 64-slot pages.
+ON_REQUEST: dict[str, Geometry] = {
+    g.name: g
+    for g in (
+        Geometry("pure-attn-bs256", 256, 64, num_kv_heads=8, head_size=128, num_fa_layers=2, num_gdn_layers=0,
+                 description="pure attention, FlashInfer with --block-size 256: 256/64, k=4, no GDN layers"),
+    )
+}
+
 # The presets of the original (vLLM 0.27.1) matrix, and the vLLM 0.28-0.33 ones.
 BASE_PRESETS = ("qwen35-0.8b", "gdn-27b", "pure-attn-bs128", "control-k1")
 NEW_PRESETS = tuple(name for name in PRESETS if name not in BASE_PRESETS)
@@ -172,9 +182,10 @@ NEW_PRESETS = tuple(name for name in PRESETS if name not in BASE_PRESETS)
 def preset(name: str) -> Geometry:
     """Look a preset up; ``NAME@dtype`` selects another dtype (e.g. ``qwen35-0.8b@float16``)."""
     base, _, dtype = name.partition("@")
-    if base not in PRESETS:
-        raise KeyError(f"unknown geometry preset {base!r}; known: {', '.join(PRESETS)}")
-    geo = PRESETS[base]
+    known = {**PRESETS, **ON_REQUEST}
+    if base not in known:
+        raise KeyError(f"unknown geometry preset {base!r}; known: {', '.join(known)}")
+    geo = known[base]
     return geo.with_dtype(dtype) if dtype else geo
 
 
