@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -256,11 +257,15 @@ def test_patched_053_passes_every_preset(runtime_python_053: Path, patched_overl
 
 
 def test_server_never_ready_is_an_error(runtime_python_053: Path, pristine_overlay_053: Path) -> None:
+    """Server A's 0.5 s start on the clock overlaps the client's torch import (gate.run), so on a
+    loaded machine A can be up in time and server B (no import to hide behind) is the one that
+    misses it; a cold CI run under pytest-xdist met that once.  Either is this error."""
     proc, report, _ = run_gate(runtime_python_053, pristine_overlay_053, ["control-k1"], "--server-timeout", "0.5")
     assert proc.returncode == 2
-    assert report["verdict"] == "error" and "server A did not start" in report["reason"]
+    assert report["verdict"] == "error" and re.match(r"server [AB] did not start: ", report["reason"]), \
+        report["reason"]
     assert [p["verdict"] for p in report["presets"]] == ["error"]  # no preset got a pass/fail verdict
-    assert report["cycles"][0]["servers"][0]["returncode"] is not None  # the unready server was killed
+    assert report["cycles"][-1]["servers"][-1]["returncode"] is not None  # the unready server was killed
     assert_cleaned_up(report)
 
 
