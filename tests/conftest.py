@@ -98,7 +98,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_longest_first)  # stable: a file's own order is kept (xdist units, below)
 
 
-
 # ------------------------------------------------------------------ pytest-xdist
 
 # The README's test command runs two workers (``-n 2``, a 2-core CI machine): a test file stays on one

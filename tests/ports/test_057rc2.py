@@ -33,6 +33,8 @@ from .test_engine_driven_gate import STACKED, _overlay as stacked_gate_overlay
 sys.path.insert(0, str(REPO / "tests" / "verify"))
 from test_restore_gate import by_preset, run_gate  # noqa: E402
 
+from lmcache_patchtool_verify import geometry  # noqa: E402  (stdlib only)
+
 FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
 VERSION = "0.5.7rc2"
 CELLS = (
@@ -76,7 +78,7 @@ def gate(patched: bool, presets: list[str], mode: str, stacked: bool = False) ->
 
 
 # pure attention whose block spans k kernel pages of 64 slots (FlashInfer --block-size 128 and 256)
-PURE_ATTENTION_K = {"pure-attn-bs128": 2, "pure-attn-bs256": 4}
+PURE_ATTENTION_K = {name: geometry.preset(name).k for name in ("pure-attn-bs128", "pure-attn-bs256")}
 
 
 def test_pristine_corrupts_pure_attention_and_keeps_hybrids():

@@ -165,10 +165,14 @@ PRESETS: dict[str, Geometry] = {
 }
 
 # Presets a cell names on purpose and no matrix iterates (PRESETS and every gate's "all" stay what
-# the recorded evidence has): pure attention at FlashInfer's --block-size 256 over 64-slot pages.
+# the recorded evidence has): pure attention under FlashAttention (the cross-version gate's k = 1
+# attention, sharing pure-attn-bs128's block size), and at FlashInfer's --block-size 256 over
+# 64-slot pages.
 ON_REQUEST: dict[str, Geometry] = {
     g.name: g
     for g in (
+        Geometry("pure-attn-k1", 128, 128, num_kv_heads=8, head_size=128, num_fa_layers=2, num_gdn_layers=0,
+                 description="pure attention under FlashAttention (no sub-paging): 128/128, k=1"),
         Geometry("pure-attn-bs256", 256, 64, num_kv_heads=8, head_size=128, num_fa_layers=2, num_gdn_layers=0,
                  description="pure attention, FlashInfer with --block-size 256: 256/64, k=4, no GDN layers"),
     )

@@ -38,27 +38,15 @@ TIERS = ("fs", "redis")
 LETTER = {"exact": "E", "miss": "M", "wrong": "W", "error": "!", None: "."}
 
 # The gate's presets: hybrid k=17, pure attention k=2, hybrid k=1, and a pure
-# attention k=1 (FlashAttention, no GDN) that geometry.py does not have.  It
-# is defined here (not in geometry.PRESETS, whose "all" other gates iterate)
-# with the block size of pure-attn-bs128, so both share one server chunk size.
-EXTRA_PRESETS: dict[str, geometry.Geometry] = {
-    g.name: g for g in (
-        geometry.Geometry("pure-attn-k1", 128, 128, num_kv_heads=8, head_size=128, num_fa_layers=2,
-                          num_gdn_layers=0,
-                          description="pure attention under FlashAttention (no sub-paging): 128/128, k=1"),
-    )
-}
+# attention k=1 (FlashAttention, no GDN: geometry.ON_REQUEST, so the "all" of
+# other gates does not iterate it) with the block size of pure-attn-bs128, so
+# both share one server chunk size.
 PRESETS = ("qwen35-0.8b", "pure-attn-bs128", "control-k1", "pure-attn-k1")
 CHUNK_BLOCKS = (1, 2)
 
-
-def preset(name: str) -> geometry.Geometry:
-    """geometry.preset, plus this module's extra presets."""
-    if name.partition("@")[0] in EXTRA_PRESETS:
-        base, _, dtype = name.partition("@")
-        geo = EXTRA_PRESETS[base]
-        return geo.with_dtype(dtype) if dtype else geo
-    return geometry.preset(name)
+# The name the gates import (gate_plan, restore_gate, the probes): geometry's own lookup,
+# which resolves the on-request presets too.
+preset = geometry.preset
 
 
 @dataclass(frozen=True, order=True)
