@@ -2,7 +2,7 @@
 """Time ``patchtool ci`` per phase (from its JSON) in one run.
 
 Defaults: ``--pin lmcache==0.5.3`` with the 0.5.3 runtime venv's interpreter
-(provisioned and cached by ``scripts/provision.py``).  When the shipped patch
+(provisioned and cached by ``lab/provision.py``).  When the shipped patch
 set has no manifest.json yet, one is built into a scratch copy with the
 tool's own ``manifest build`` and used through ``LMCACHE_PATCHTOOL_PATCHES``::
 
@@ -34,8 +34,7 @@ def patches_env(version: str, scratch: Path) -> dict[str, str]:
     shipped = REPO / "patches" / "hybrid-fa" / version
     if (shipped / "manifest.json").exists():
         return {}
-    sys.path.insert(0, str(REPO / "scripts"))
-    import provision  # noqa: PLC0415
+    from lab import provision  # noqa: PLC0415
 
     dest = scratch / "patches" / "hybrid-fa" / version
     dest.mkdir(parents=True)
@@ -77,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     python = args.python
     if python is None:
-        sys.path.insert(0, str(REPO / "scripts"))
-        import provision  # noqa: PLC0415
+        from lab import provision  # noqa: PLC0415
 
         python = str(provision.runtime_env(args.version) / "bin" / "python")
     with tempfile.TemporaryDirectory(prefix="bench-ci-") as tmp:

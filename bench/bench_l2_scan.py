@@ -45,7 +45,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from patchtool.l2.names import object_name  # noqa: E402
 

@@ -16,7 +16,7 @@ against one real ``redis-server`` (started here on 127.0.0.1, a free port,
 
 The objects are real ``TensorMemoryObj``s carved from one CPU uint8 pool, as
 the round-trip harness's L1 stand-in makes them (``verify/
-lmcache_patchtool_verify/harness.py``).  Sizes are one chunk of
+gate/harness.py``).  Sizes are one chunk of
 ``qwen35-0.8b`` at C = 2N (attention 2,228,224 B, GDN state 6,684,672 B) and
 of ``pure-attn-bs128`` (256 tokens, 2 layers: 2,097,152 B).  Cases, each one
 store task and one load task of ``--chunks`` chunks:
@@ -137,7 +137,7 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _cpu_of(pid: int) -> float:
     """CPU seconds all threads of ``pid`` have run (the engine-driven bench's reader)."""
-    from bench_engine_driven import cpu_seconds  # noqa: PLC0415 - a sibling script: on sys.path when run
+    from bench.bench_engine_driven import cpu_seconds  # noqa: PLC0415 - loads the engine-driven bench only here
 
     return cpu_seconds(pid)
 
@@ -333,8 +333,7 @@ def _ping(port: int) -> bool:
 
 
 def _start_redis(workdir: Path) -> tuple[subprocess.Popen, int, str]:
-    sys.path.insert(0, str(REPO / "scripts"))
-    from provision_redis import RedisUnavailable, redis_server  # noqa: PLC0415
+    from lab.provision_redis import RedisUnavailable, redis_server  # noqa: PLC0415
 
     try:
         exe = redis_server()
@@ -413,8 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args.worker, args.server_pid, cases, args.num_workers)
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    import provision  # noqa: PLC0415
+    from lab import provision  # noqa: PLC0415
 
     series = _series(Path(args.series_root), args.version)
     python = provision.runtime_env(args.version) / "bin" / "python"

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Time the CPU restore gate's phases (from its JSON report).
 
-Runs ``verify/restore_gate.py --json`` in the runtime venv of lmcache 0.5.3
-(provisioned and cached by ``scripts/provision.py``), pristine or with the
+Runs ``gate/restore_gate.py --json`` in the runtime venv of lmcache 0.5.3
+(provisioned and cached by ``lab/provision.py``), pristine or with the
 hybrid-FA patch series, and prints per-cycle and total phase timings::
 
     python bench/bench_restore_gate.py                      # pristine, all presets
@@ -23,14 +23,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-GATE = REPO / "verify" / "restore_gate.py"
+GATE = REPO / "gate" / "restore_gate.py"
 PHASES = ["server_start_1", "register_fill", "store", "flush_to_disk", "kill", "server_start_2", "restore",
           "stay_alive", "shutdown"]
 
 
 def environment(version: str, patched: bool) -> tuple[Path, Path]:
-    sys.path.insert(0, str(REPO / "scripts"))
-    import provision  # noqa: PLC0415
+    from lab import provision  # noqa: PLC0415
 
     python = provision.runtime_env(version) / "bin" / "python"
     patches = sorted((REPO / "patches" / "hybrid-fa" / version).glob("*.patch")) if patched else []

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Store+retrieve cost per FA byte: patched k=17 vs pristine k=1, same bytes.
 
-Runs ``verify/roundtrip.py`` (guards and hashes off) as interleaved
+Runs ``gate/roundtrip.py`` (guards and hashes off) as interleaved
 subprocesses in the 0.5.3 runtime venv:
 
 * A -- the PATCHED overlay, ``qwen35-0.8b`` (544/32, k=17, 3 GDN + 1 FA);
@@ -30,11 +30,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 
-import provision  # noqa: E402
+from lab import provision  # noqa: E402
 
-HARNESS = REPO / "verify" / "roundtrip.py"
+HARNESS = REPO / "gate" / "roundtrip.py"
 TARGET = 1.25
 
 

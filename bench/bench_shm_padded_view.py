@@ -57,13 +57,12 @@ PAGE = 1_179_648
 
 
 def outer(args: argparse.Namespace, argv: list[str]) -> int:
-    sys.path.insert(0, str(REPO / "scripts"))
-    import provision  # noqa: PLC0415
+    from lab import provision  # noqa: PLC0415
 
     patches = sorted((REPO / "patches" / "hybrid-fa" / args.version).glob("*.patch"))
     python = provision.runtime_env(args.version) / "bin" / "python"
     overlay = provision.overlay(args.version, patches or None)
-    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}", NO_COLOR="1")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", NO_COLOR="1")
     env[INNER_ENV] = str(overlay)
     return subprocess.run([str(python), str(Path(__file__).resolve()), *argv], env=env).returncode
 

@@ -7,7 +7,7 @@ status <= 0.5x pip show).  Usage:
 
     .venv/bin/python bench/bench_status.py [--reps 15] [--venv DIR] [--deep]
 
-Default venv: the cached bare lmcache 0.5.3 env from scripts/provision.py.
+Default venv: the cached bare lmcache 0.5.3 env from lab/provision.py.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ def main() -> int:
     ap.add_argument("--venv", type=Path)
     ap.add_argument("--deep", action="store_true", help="status --deep (every RECORD row)")
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO / "scripts"))
-    import provision
+    from lab import provision
 
     if args.venv is None:
         args.venv = provision.bare_env("0.5.3")

@@ -1,7 +1,7 @@
 """Engine trace for bench/bench_engine_restore.py --trace: times the calls a restore goes
 through in vLLM's processes, without editing anything installed.
 
-The engine shim (verify/engine_shim/sitecustomize.py, which the gate puts first on the
+The engine shim (gate/engine_shim/sitecustomize.py, which the gate puts first on the
 ``PYTHONPATH`` of every vLLM process, the spawned EngineCore and worker included) runs this
 file at start-up when ``LMCACHE_PATCHTOOL_ENGINE_TRACE`` names it.  With
 ``LMCACHE_PATCHTOOL_TRACE_DIR`` set too, it wraps the methods below as their modules are

@@ -288,7 +288,7 @@ class _Phases:
         st = classify(disc, self.pset, deep=True, stack=self.layers)
         assert disc.target is not None
         vr = vc.run_verify(vc.CheckContext(disc.target, st, self.pset,
-                                           resources.verify_root()), [])
+                                           resources.gate_root()), [])
         ph.data = {"state": st.state, "checks": [c.name for c in vr.checks if c.ok],
                    "sets": [{"name": s.name, "revision": s.revision, "state": s.state}
                             for s in st.sets]}
@@ -301,7 +301,7 @@ class _Phases:
         g = self.given
         env = runner.resolve(g.python, str(self.site), self.site,
                              "the ci gate's round-trip and restore phases")
-        self.vctx = vc.CheckContext(disc.target, st, self.pset, resources.verify_root(),
+        self.vctx = vc.CheckContext(disc.target, st, self.pset, resources.gate_root(),
                                     vc.CheckOptions(env=env, presets=g.presets,
                                                     timeout=g.timeout, echo=g.echo,
                                                     matrix=g.roundtrip_matrix))

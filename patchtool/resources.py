@@ -1,4 +1,4 @@
-"""Where the shipped patch sets and verification scripts are.
+"""Where the shipped patch sets and the gate (the proofs patchtool runs) are.
 
 Order: the environment override, then the repository checkout next to the
 package (an editable install or running from the tree), then the copies
@@ -29,8 +29,10 @@ def patches_root() -> Path:
     return _find("LMCACHE_PATCHTOOL_PATCHES", "patches")
 
 
-def verify_root() -> Path:
-    return _find("LMCACHE_PATCHTOOL_VERIFY", "verify")
+def gate_root() -> Path:
+    """The ``gate`` folder: the restore gate, the round trip and the engine
+    gate, run by path with this folder's parent on ``PYTHONPATH``."""
+    return _find("LMCACHE_PATCHTOOL_GATE", "gate")
 
 
 def upstream_root() -> Path:

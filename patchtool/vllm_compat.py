@@ -22,7 +22,7 @@ TORCH_214_NOTE = (
     "0.5.3, lmcache_native and cuda_ops on 0.5.4+) were not checked under torch 2.14 by "
     "this project; check them on the GPU machine with `patchtool verify --restore gpu` "
     "(its preflight imports them under this venv's torch) or, from a checkout of this project, "
-    "verify/gpu_roundtrip_device.sh "
+    "lab/gpu_roundtrip_device.sh "
     "(the device probe)"
 )
 NOT_VERIFIED_NOTE = "not verified with vLLM {vllm}; verified: {verified}"
@@ -31,7 +31,7 @@ NOT_VERIFIED_NOTE = "not verified with vLLM {vllm}; verified: {verified}"
 # re-sent in ``scheduled_new_reqs`` with its full block list).  Every LMCache release up to
 # 0.5.7rc2 reads it without a guard in the connector's ``_process_cached_requests``, inside
 # ``build_connector_meta``: measured with vLLM 0.34.0's real Scheduler (sched_matrix, the
-# ``vllm 0.34.0`` cells of verify/evidence/sched-vllm-matrix.json), pristine 0.5.3-0.5.6 raise
+# ``vllm 0.34.0`` cells of lab/evidence/sched-vllm-matrix.json), pristine 0.5.3-0.5.6 raise
 # AttributeError at the second scheduler step (the first with a running request), hybrid or not;
 # hybrid-fa revisions before part 15 serve a hybrid (their block-id resync takes vLLM's block
 # state) and raise the same for pure attention.  Part 15 reads the field with a guard; a patch

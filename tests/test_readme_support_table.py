@@ -8,14 +8,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_readme_support_table_is_generated_from_manifests():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "support_table.py"), "--check"],
+    proc = subprocess.run([sys.executable, str(REPO / "lab" / "support_table.py"), "--check"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_support_table_lists_every_shipped_manifest():
-    sys.path.insert(0, str(REPO / "scripts"))
-    import support_table  # noqa: PLC0415
+    from lab import support_table  # noqa: PLC0415
 
     table = support_table.render(REPO / "patches")
     for manifest in (REPO / "patches").glob("*/*/manifest.json"):
@@ -23,7 +22,7 @@ def test_support_table_lists_every_shipped_manifest():
 
 
 def _engine_cell(scenario, build, status, *, lm="0.5.6", model="hybrid-640", refused=None, sha="shipped"):
-    import vllm_cells  # noqa: PLC0415
+    from lab import vllm_cells  # noqa: PLC0415
 
     expect = "fail" if scenario == "hybrid-start" else "pass"
     return {"scenario": scenario, "lmcache": lm, "build": build, "status": status, "expect": expect,
@@ -32,14 +31,13 @@ def _engine_cell(scenario, build, status, *, lm="0.5.6", model="hybrid-640", ref
 
 
 def test_real_engine_mark_is_decided_by_the_engine_gate_evidence(tmp_path):
-    """The 'real engine' mark comes from verify/evidence/engine-gate.json only: CPU when the stacked
+    """The 'real engine' mark comes from lab/evidence/engine-gate.json only: CPU when the stacked
     build passes a full cycle, one block per step, chunk = 2 blocks, both CPU geometries (the SSM
     state float32 and bfloat16) and pure attention at block 128 and 256 on the shipped patches and
     the pristine and hybrid-fa builds fail on the hybrid; GPU when a GPU run of the gate also passed."""
     import json  # noqa: PLC0415
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    import vllm_cells  # noqa: PLC0415
+    from lab import vllm_cells  # noqa: PLC0415
 
     refused = {"store": "ValueError: engine-driven transfer does not support multiple KV transfer groups now"}
     good = [_engine_cell("hybrid-followups", "stacked", "pass"), _engine_cell("hybrid-one-block", "stacked", "pass"),
@@ -77,8 +75,7 @@ def test_real_engine_mark_is_decided_by_the_engine_gate_evidence(tmp_path):
 
 
 def test_real_engine_table_is_rendered_from_the_evidence():
-    sys.path.insert(0, str(REPO / "scripts"))
-    import support_table  # noqa: PLC0415
+    from lab import support_table  # noqa: PLC0415
 
     table = support_table.engine_table(REPO / "patches")
     assert "| LMCache | real engine | pristine | hybrid-fa | hybrid-fa + engine-driven |" in table

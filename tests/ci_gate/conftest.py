@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import provision
+from lab import provision
 
 from .helpers import REPO, cli
 

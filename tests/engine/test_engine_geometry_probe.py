@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_patchtool_verify import engine_geometry as eg
+from gate import engine_geometry as eg
 
 from .conftest import TINY_HYBRID_BLOCK as BLOCK
 

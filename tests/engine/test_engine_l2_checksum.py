@@ -5,7 +5,7 @@ tokens and answers exactly as a cold run does (greedy tokens and logprobs identi
 store arm, which computed every token).  The same stack with the objects left intact is the
 CI cell of tests/engine/test_engine_gate.py (full hit, identical answer).
 
-Damage, with ``verify/engine_l2_damage.py`` through the gate's ``--between-arms-cmd``:
+Damage, with ``lab/engine_l2_damage.py`` through the gate's ``--between-arms-cmd``:
 ``flip`` (one byte of every object, in place, sizes unchanged: the bit rot the issue
 reproduced as NaN logprobs) and ``swap --group 1`` (the attention objects of two chunks
 exchanged: real KV under another key, which moved logprobs by 0.03 without the check).
@@ -24,10 +24,9 @@ import pytest
 
 from .conftest import FULL, REPO, STACK, overlay, run_gate
 
-sys.path.insert(0, str(REPO / "verify"))
-from lmcache_patchtool_verify.gpu_verdict import compare_outputs  # noqa: E402  (stdlib only)
+from gate.engine_verdict import compare_outputs  # noqa: E402  (stdlib only)
 
-DAMAGE = REPO / "verify" / "engine_l2_damage.py"
+DAMAGE = REPO / "lab" / "engine_l2_damage.py"
 
 
 @pytest.mark.skipif(not FULL, reason="set LMCACHE_PATCHTOOL_FULL=1 (each cell is one engine cycle)")

@@ -20,7 +20,7 @@ import pytest
 
 from .conftest import FULL, STACK, failed_checks, run_gate, series
 
-import provision  # noqa: E402  (scripts/ is on sys.path: conftest)
+from lab import provision
 
 PART = "13-scheduler-heartbeat.patch"
 ARGS = ("--lengths", "3k", "--no-cold-arm", "--max-num-batched-tokens", "0", "--server-restart",

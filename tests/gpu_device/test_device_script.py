@@ -23,9 +23,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
 
-import prepare_carry as pc  # noqa: E402
+from lab import prepare_carry as pc  # noqa: E402
 
 
 def _row(name: str, data: bytes) -> str:
@@ -55,22 +54,22 @@ def test_slim_wheel_drops_only_the_listed_members(tmp_path):
 
 @pytest.mark.slow
 def test_device_script_against_the_cpu_standin(tmp_path):
-    import provision
+    from lab import provision
 
     py = provision.runtime_env("0.5.3") / "bin" / "python"
     carry = tmp_path / "carry"
-    res = subprocess.run([sys.executable, str(REPO / "scripts/prepare_carry.py"), "--python-version", "3.11",
+    res = subprocess.run([sys.executable, str(REPO / "lab/prepare_carry.py"), "--python-version", "3.11",
                           "--versions", "0.5.3", "--out", str(carry), "--limit-mib", "0.5"],
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 3 and "exceeds" in res.stderr and not carry.exists()
-    res = subprocess.run([sys.executable, str(REPO / "scripts/prepare_carry.py"), "--python-version", "3.11",
+    res = subprocess.run([sys.executable, str(REPO / "lab/prepare_carry.py"), "--python-version", "3.11",
                           "--versions", "0.5.3", "--out", str(carry)], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     sizes = json.loads(res.stdout)
     assert sizes["total_mib"] < 64
     out = tmp_path / "out"
     env = dict(os.environ, DEVICE_PYTHON=str(py), OUT=str(out))
-    res = subprocess.run(["bash", str(REPO / "verify/gpu_roundtrip_device.sh"), "--carry", str(carry), "--standin",
+    res = subprocess.run(["bash", str(REPO / "lab/gpu_roundtrip_device.sh"), "--carry", str(carry), "--standin",
                           "--matrix", "tiny", "--reps", "1", "--work", str(tmp_path / "work")],
                          capture_output=True, text=True, timeout=1500, env=env)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Run the ports round-trip harness (``lmcache_patchtool_verify.ports_roundtrip``)
+"""Run the ports round-trip harness (``gate.ports_roundtrip``)
 in a version's runtime venv over its pristine or patched overlay: the one
 runner the ports tests share."""
 
@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
 
-import provision  # noqa: E402
+from lab import provision  # noqa: E402
 
 
 def series(version: str) -> list[Path]:
@@ -31,11 +30,11 @@ def ports_harness(version: str, patched: bool, cells: tuple[str, ...], options: 
     if patches is None:
         patches = series(version) if patched else None
     overlay = provision.overlay(version, patches or None)
-    args = [str(venv / "bin" / "python"), "-m", "lmcache_patchtool_verify.ports_roundtrip",
+    args = [str(venv / "bin" / "python"), "-m", "gate.ports_roundtrip",
             "--json", *options]
     for cell in cells:
         args += ["--cell", cell]
-    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}")
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     if stderr is not None:
@@ -48,16 +47,16 @@ def ports_harness(version: str, patched: bool, cells: tuple[str, ...], options: 
 
 def vllm_layer_probe(module: str, version: str, patched: bool, out: Path, vllm: str = "0.33.0",
                      timeout: float = 900) -> dict:
-    """``python -m lmcache_patchtool_verify.<module> --out OUT`` in ``version``'s runtime venv
+    """``python -m lab.probes.<module> --out OUT`` in ``version``'s runtime venv
     over its pristine or patched overlay and the vLLM ``vllm`` layer; the JSON it wrote
     (LMCache logs to stdout, so the probe's document goes to the file)."""
-    import provision_vllm  # noqa: PLC0415 - scripts/ is on sys.path above; heavy, only for these probes
+    from lab import provision_vllm  # noqa: PLC0415 - heavy, only for these probes
 
     layer = provision_vllm.vllm_layer(version, vllm=vllm)
     overlay = provision.overlay(version, series(version) if patched else None)
-    env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{REPO / 'verify'}", LMCACHE_DISABLE_BANNER="1")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{REPO}", LMCACHE_DISABLE_BANNER="1")
     proc = subprocess.run([str(provision.runtime_env(version) / "bin" / "python"), "-m",
-                           f"lmcache_patchtool_verify.{module}", "--out", str(out)],
+                           f"lab.probes.{module}", "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())

@@ -22,17 +22,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "verify"))
 
-import provision  # noqa: E402  (tests/conftest.py puts scripts/ on sys.path)
-from lmcache_patchtool_verify import geometry  # noqa: E402
+from lab import provision
+from gate import geometry  # noqa: E402
 
 # (sw_size_tokens of the GDN group, recurrent_state of the GDN group; None = no such field)
 EXPECTED = {"0.5.3": (-1, None), "0.5.4": (544, None), "0.5.5": (544, True), "0.5.6": (544, True)}
 
 PROBE = """
 import json
-from lmcache_patchtool_verify import geometry as g
+from gate import geometry as g
 out = {}
 for name in ("qwen35-0.8b", "pure-attn-bs128"):
     infos = g.engine_group_infos(g.preset(name))
@@ -47,7 +46,7 @@ print(json.dumps(out))
 @pytest.mark.parametrize("version", list(EXPECTED))
 def test_connector_window_fields_per_version(version):
     py = provision.runtime_env(version) / "bin" / "python"
-    env = dict(os.environ, PYTHONPATH=f"{provision.overlay(version)}:{REPO / 'verify'}")
+    env = dict(os.environ, PYTHONPATH=f"{provision.overlay(version)}:{REPO}")
     proc = subprocess.run([str(py), "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -66,7 +65,7 @@ def test_patched_053_connector_gives_gdn_a_window():
     group 0.5.4's one-block window, so its server keeps only the chunk-end slot."""
     series = sorted((REPO / "patches" / "hybrid-fa" / "0.5.3").glob("*.patch"))
     py = provision.runtime_env("0.5.3") / "bin" / "python"
-    env = dict(os.environ, PYTHONPATH=f"{provision.overlay('0.5.3', series)}:{REPO / 'verify'}")
+    env = dict(os.environ, PYTHONPATH=f"{provision.overlay('0.5.3', series)}:{REPO}")
     proc = subprocess.run([str(py), "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     gdn, fa = json.loads(proc.stdout.strip().splitlines()[-1])["qwen35-0.8b"]

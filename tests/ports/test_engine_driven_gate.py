@@ -27,7 +27,7 @@ The fast tier runs 0.5.6 pristine (one hybrid, the pure k = 1 control).
 the two modes' objects); ``LMCACHE_PATCHTOOL_FULL=1`` runs every version and
 build, pristine and hybrid-fa rows included (the silent k = 2 corruption
 survives the hybrid-fa series), and the pristine k = 1 identity.
-``verify/evidence/engine-driven-gate.json`` records all of it.
+``lab/evidence/engine-driven-gate.json`` records all of it.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "verify"))
+sys.path.insert(0, str(REPO / "tests" / "gate"))
 
-import provision  # noqa: E402  (tests/conftest.py puts scripts/ on sys.path)
+from lab import provision
 from test_restore_gate import assert_clean_pass, by_preset, run_gate  # noqa: E402
 
 VERSIONS = ["0.5.3", "0.5.4", "0.5.5", "0.5.6"]
@@ -150,7 +150,7 @@ def _rows() -> list[tuple[str, str]]:
     if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1":
         return [(v, st) for v in VERSIONS for st in ("pristine", "patched")]
     # CI: the fast tier's 0.5.6 pristine refusal and the stacked row cover the
-    # path; verify/evidence/engine-driven-gate.json records every build.
+    # path; lab/evidence/engine-driven-gate.json records every build.
     return []
 
 
@@ -215,8 +215,8 @@ def _l2_digests(report: dict, preset: str) -> dict[str, str]:
     model name, so it differs between any two runs; the KV bytes must not."""
     import hashlib
 
-    from lmcache_patchtool_verify.tier_objects import has_trailer, kv_bytes  # noqa: PLC0415
-    from lmcache_patchtool_verify.gate_server import l2_objects  # noqa: PLC0415  (verify/ is on sys.path)
+    from gate.tier_objects import has_trailer, kv_bytes  # noqa: PLC0415
+    from gate.restore_server import l2_objects  # noqa: PLC0415  (verify/ is on sys.path)
 
     (p,) = [x for x in report["presets"] if x["preset"] == preset]
     model = p["model_name"]

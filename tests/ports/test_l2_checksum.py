@@ -1,6 +1,6 @@
 """Disk-tier integrity (part 12-l2-checksum) through the real server.
 
-One writer phase of ``verify/restore_gate.py`` on the patched build stores a
+One writer phase of ``gate/restore_gate.py`` on the patched build stores a
 3-chunk request of two presets, each under six model names (``--copies``:
 own seed, own bytes), and is SIGKILLed:
 
@@ -65,10 +65,9 @@ import pytest
 from .harness_run import REPO, provision
 from .tier_damage import assert_outcomes, assert_refusals_logged, damage_copies, remove_work
 
-sys.path.insert(0, str(REPO / "verify"))
-from lmcache_patchtool_verify import tier_objects as tier  # noqa: E402  (stdlib only)
+from gate import tier_objects as tier  # noqa: E402  (stdlib only)
 
-GATE = REPO / "verify" / "restore_gate.py"
+GATE = REPO / "gate" / "restore_gate.py"
 VERSIONS = ["0.5.3", "0.5.4", "0.5.5", "0.5.6"] if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" \
     else ["0.5.6"]
 PRESETS = ("pure-attn-k1", "qwen35-0.8b")
@@ -186,8 +185,8 @@ def test_damaged_objects_are_misses_and_intact_ones_hit(version: str, tmp_path: 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_adapter_heals_rewrites_and_refuses_fs_native(version: str, tmp_path: Path) -> None:
     python, env = _env(version)
-    env["PYTHONPATH"] += f":{REPO / 'verify'}"
-    proc = subprocess.run([str(python), "-m", "lmcache_patchtool_verify.l2_checksum_probe", str(tmp_path)],
+    env["PYTHONPATH"] += f":{REPO}"
+    proc = subprocess.run([str(python), "-m", "gate.l2_checksum_probe", str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(proc.stdout)

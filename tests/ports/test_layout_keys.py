@@ -1,7 +1,7 @@
 """Layout-namespaced disk-tier keys (05-layout-keys).
 
 * The namespace function, run from each patched series in its runtime venv
-  (``lmcache_patchtool_verify.layout_keys_probe``): the same value on every
+  (``gate.layout_keys_probe``): the same value on every
   run and every version for the same inputs, pinned here as literal digests
   (so a change of the canonical description, on any machine, fails); a
   different value when any byte-deciding input changes; "" for k = 1 groups
@@ -71,9 +71,9 @@ _LOGGED = re.compile(r"Object group (\d+) of (\S+) keys objects as '([^']*)'")
 def probe(version: str) -> dict:
     venv = provision.runtime_env(version)
     overlay = provision.overlay(version, series(version))
-    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}")
     proc = subprocess.run([str(venv / "bin" / "python"), "-m",
-                           "lmcache_patchtool_verify.layout_keys_probe"],
+                           "gate.layout_keys_probe"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -54,7 +54,7 @@ import pytest
 
 from .harness_run import REPO, ports_harness, provision, series
 
-sys.path.insert(0, str(REPO / "tests" / "verify"))
+sys.path.insert(0, str(REPO / "tests" / "gate"))
 from test_restore_gate import assert_clean_pass, by_preset, run_gate  # noqa: E402
 
 FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
@@ -78,8 +78,8 @@ def without_this_part(version: str) -> list[Path]:
 def probe(version: str, patched: bool) -> dict:
     venv = provision.runtime_env(version)
     overlay = provision.overlay(version, series(version) if patched else None)
-    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}")
-    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "lmcache_patchtool_verify.padded_stride_probe"],
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}")
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "gate.padded_stride_probe"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)

@@ -2,8 +2,8 @@
 
 Per version, in that version's runtime venv with a wheel overlay on
 PYTHONPATH (``provision.overlay``), the real ``LMCacheDrivenTransferModule``
-round-trips KV through ``lmcache_patchtool_verify.ports_roundtrip`` (the harness
-of ``verify/roundtrip.py`` plus the 0.5.4+ shims and the version's own connector-side registration edits):
+round-trips KV through ``gate.ports_roundtrip`` (the harness
+of ``gate/roundtrip.py`` plus the 0.5.4+ shims and the version's own connector-side registration edits):
 
 * the series applies to the real wheel with zero fuzz;
 * pristine fails every sub-paged preset (0.5.6: the pure-attention one, and
@@ -28,9 +28,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
 
-import provision  # noqa: E402
+from lab import provision  # noqa: E402
 
 from .harness_run import ports_harness, series  # noqa: E402
 
@@ -255,9 +254,9 @@ def test_dcp_group_is_not_sub_paged(version):
     results = {}
     for patched in (False, True):
         overlay = provision.overlay(version, _series(version) if patched else None)
-        proc = subprocess.run([str(venv / "bin" / "python"), "-m", "lmcache_patchtool_verify.ports_dcp_probe"],
+        proc = subprocess.run([str(venv / "bin" / "python"), "-m", "gate.ports_dcp_probe"],
                               capture_output=True, text=True, timeout=600,
-                              env=dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}"))
+                              env=dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}"))
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[patched] = json.loads(proc.stdout.strip().splitlines()[-1])
     assert results[False]["fraction"] == 1.0 and results[False]["foreign_bytes"] == 0

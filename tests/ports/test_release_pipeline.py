@@ -1,4 +1,4 @@
-"""scripts/release.py's port report on the real wheels: the 0.5.6 parts tried
+"""lab/release.py's port report on the real wheels: the 0.5.6 parts tried
 in order on 0.5.7rc2's wheel (the porter's to-do list, as measured by hand
 in docs/ports.md), and a version's own shipped series on its own wheel, every
 part applying.  --dry-run: the evidence commands are printed, not run."""
@@ -11,7 +11,7 @@ import sys
 
 from .harness_run import REPO
 
-SCRIPT = REPO / "scripts" / "release.py"
+SCRIPT = REPO / "lab" / "release.py"
 
 
 def report(tmp_path, new: str, prev: str) -> dict:

@@ -1,8 +1,8 @@
 """A shared Redis (RESP) tier through the real server (parts 16 and 17).
 
 Every test starts its own ``redis-server`` on 127.0.0.1 (``tests/_redis.py``,
-provisioned by ``scripts/provision_redis.py``) and runs
-``verify/restore_gate.py --redis-url`` with LMCache's ``resp`` L2 adapter and
+provisioned by ``lab/provision_redis.py``) and runs
+``gate/restore_gate.py --redis-url`` with LMCache's ``resp`` L2 adapter and
 its native client:
 
 * **Across nodes.** Node A (a server) stores, is SIGKILLed; node B (another
@@ -59,7 +59,7 @@ from .tier_damage import assert_outcomes, assert_refusals_logged, damage_copies,
 sys.path.insert(0, str(REPO / "tests"))
 from _redis import RedisProc, running_redis  # noqa: E402
 
-GATE = REPO / "verify" / "restore_gate.py"
+GATE = REPO / "gate" / "restore_gate.py"
 FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
 VERSIONS = ["0.5.3", "0.5.4", "0.5.5", "0.5.6"] if FULL else ["0.5.3", "0.5.6"]
 DAMAGE_VERSIONS = VERSIONS if FULL else ["0.5.6"]

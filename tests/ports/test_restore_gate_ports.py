@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "verify"))
+sys.path.insert(0, str(REPO / "tests" / "gate"))
 
-import provision  # noqa: E402  (tests/conftest.py puts scripts/ on sys.path)
+from lab import provision
 from test_restore_gate import assert_silent_corruption, by_preset, run_gate  # noqa: E402
 
 # CI: the first and last ported release (keeps the cold run under 50 min);

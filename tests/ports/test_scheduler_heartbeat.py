@@ -15,9 +15,9 @@ LOOKUP during the outage times out, the event stays cleared because nothing
 pings, and every lookup is skipped until vLLM restarts.  The part tests the
 dict's contents instead (0.5.6 upstream initialises it to None: no part).
 
-``lmcache_patchtool_verify.heartbeat_probe`` (runtime venv, the overlay, no
+``gate.heartbeat_probe`` (runtime venv, the overlay, no
 vLLM: the adapter module does not import it) builds the adapter as vLLM does
-(``gate_client.Client``, heartbeat interval 1 s, mq_timeout 3 s), looks up,
+(``restore_client.Client``, heartbeat interval 1 s, mq_timeout 3 s), looks up,
 SIGKILLs the server, looks up during the outage, restarts the server on the
 same ports and looks up again; a sampler thread records every change of
 ``is_healthy``.
@@ -81,8 +81,8 @@ def heartbeat_probe(version: str, patched: bool, tmp: Path, *, patches: list[Pat
         patches = series(version) if patched else None
     overlay = provision.overlay(version, patches)
     out = tmp / f"heartbeat-{version}-{'patched' if patched else 'pristine'}-{outage}.json"
-    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO / 'verify'}", LMCACHE_DISABLE_BANNER="1")
-    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "lmcache_patchtool_verify.heartbeat_probe",
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", LMCACHE_DISABLE_BANNER="1")
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "gate.heartbeat_probe",
                            "--out", str(out), "--interval", str(INTERVAL), "--mq-timeout", str(mq_timeout),
                            "--wait-intervals", str(WAIT_INTERVALS), "--outage-lookup", outage],
                           capture_output=True, text=True, env=env, timeout=300)

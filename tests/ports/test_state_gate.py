@@ -1,4 +1,4 @@
-"""The null-state restore gate (verify/state_gate.py): a hybrid
+"""The null-state restore gate (lab/state_gate.py): a hybrid
 request prefilled in 4-block steps (vLLM's align mode leaves the Mamba slots
 inside a step null), stored, the server SIGKILLed and restarted on the same fs
 L2 tier, then a second request sharing 6 blocks, a prefix that ends inside the
@@ -33,7 +33,7 @@ def state_gate(version: str, patched: bool, chunk_blocks: int) -> tuple[int, dic
     venv = provision.runtime_env(version)
     overlay = provision.overlay(version, series(version) if patched else None)
     env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
-    proc = subprocess.run([str(venv / "bin" / "python"), str(REPO / "verify" / "state_gate.py"), "--json",
+    proc = subprocess.run([str(venv / "bin" / "python"), str(REPO / "lab" / "state_gate.py"), "--json",
                            "--quiet", "--chunk-blocks", str(chunk_blocks), "--chunks", str(8 // chunk_blocks)],
                           capture_output=True, text=True, env=env, timeout=600, cwd=str(REPO))
     try:
@@ -42,7 +42,7 @@ def state_gate(version: str, patched: bool, chunk_blocks: int) -> tuple[int, dic
         pytest.fail(f"no JSON report (rc {proc.returncode}): {proc.stderr[-3000:]}")
 
 
-def gate_verdict(version: str, patched: bool, chunk_blocks: int) -> dict:
+def restore_verdict(version: str, patched: bool, chunk_blocks: int) -> dict:
     """The report, asserted to be pass (patched) or fail (pristine), and the
     server's part-06 marker to match the build."""
     rc, rep = state_gate(version, patched, chunk_blocks)
@@ -55,7 +55,7 @@ def gate_verdict(version: str, patched: bool, chunk_blocks: int) -> dict:
 @pytest.mark.parametrize("chunk_blocks", CHUNK_BLOCKS)
 @pytest.mark.parametrize("version", VERSIONS)
 def test_pristine_gives_a_wrong_state_hit(version, chunk_blocks):
-    rep = gate_verdict(version, False, chunk_blocks)
+    rep = restore_verdict(version, False, chunk_blocks)
     n = 544
     assert (rep["hit_tokens"], rep["ideal_hit_tokens"]) == (6 * n, 4 * n)
     assert rep["boundary_state"] == "wrong: no true state at the hit boundary"
@@ -64,7 +64,7 @@ def test_pristine_gives_a_wrong_state_hit(version, chunk_blocks):
 @pytest.mark.parametrize("chunk_blocks", CHUNK_BLOCKS)
 @pytest.mark.parametrize("version", VERSIONS)
 def test_patched_hits_the_ideal_with_the_true_state(version, chunk_blocks):
-    rep = gate_verdict(version, True, chunk_blocks)
+    rep = restore_verdict(version, True, chunk_blocks)
     assert rep["hit_tokens"] == rep["ideal_hit_tokens"] == 4 * 544
     assert rep["boundary_state"] == "true"
     assert rep["fidelity"]["fa"]["pages_exact"] == rep["fidelity"]["fa"]["pages_total"] > 0

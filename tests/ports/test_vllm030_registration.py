@@ -54,7 +54,7 @@ from .harness_run import REPO, ports_harness, provision, series, vllm_layer_prob
 from .test_padded_block_stride import (SHM_ENGINE_DRIVEN, TIGHT_CELLS, TIGHT_CELLS_FULL,
                                        assert_cells_pass, objects_and_keys, probe, v030_cells)
 
-sys.path.insert(0, str(REPO / "tests" / "verify"))
+sys.path.insert(0, str(REPO / "tests" / "gate"))
 from test_restore_gate import run_gate  # noqa: E402
 
 FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"

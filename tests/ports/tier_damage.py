@@ -1,5 +1,5 @@
 """What the tier-damage tests (fs: test_l2_checksum.py, Redis: test_resp_tier.py) check
-after a reader phase of ``verify/restore_gate.py`` restored copies of a request whose
+after a reader phase of ``gate/restore_gate.py`` restored copies of a request whose
 objects were damaged on the tier, one kind of damage per copy."""
 
 from __future__ import annotations

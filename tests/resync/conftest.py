@@ -1,7 +1,7 @@
 """Fixtures for the block-id resync tests (LMCache 0.5.3): vLLM layers built
-and cached by scripts/provision_vllm.py (0.27.1, and 0.33.0 whose
+and cached by lab/provision_vllm.py (0.27.1, and 0.33.0 whose
 SchedulerOutput carries ``kv_connector_block_state``), and a runner for
-verify/lmcache_patchtool_verify/resync_sim.py against pristine or patched
+gate/resync_sim.py against pristine or patched
 lmcache 0.5.3.
 
 Builds: ``pristine`` (the wheel), ``patched`` (the resync parts of the series,
@@ -20,21 +20,20 @@ from pathlib import Path
 
 import pytest
 
-import provision  # made importable by tests/conftest.py
+from lab import provision  # made importable by tests/conftest.py
 from _resync_results import FAULT_SCENARIOS, SCENARIOS
 
 REPO = Path(__file__).resolve().parents[2]
 SERIES = REPO / "patches" / "hybrid-fa" / "0.5.3"
 PATCH_03 = SERIES / "03-block-id-resync.patch"
 PATCH_08 = SERIES / "08-block-state-from-vllm.patch"
-VERIFY = REPO / "verify"
-SIM = ["-m", "lmcache_patchtool_verify.resync_sim"]  # verify/ on PYTHONPATH
+SIM = ["-m", "gate.resync_sim"]  # verify/ on PYTHONPATH
 
 
 @pytest.fixture(scope="session")
 def vllm_layer():
     """``vllm_layer(vllm="0.27.1")`` -> the layer directory for lmcache 0.5.3."""
-    import provision_vllm  # scripts/ is on sys.path (tests/conftest.py)
+    from lab import provision_vllm
 
     return lambda vllm="0.27.1": provision_vllm.vllm_layer("0.5.3", vllm=vllm)
 
@@ -58,7 +57,7 @@ def run_batch(runtime_python_053, vllm_layer, resync_overlays, tmp_path_factory)
             out = tmp_path_factory.mktemp("sim") / f"{which}-{vllm}.json"
             scenarios = SCENARIOS + (FAULT_SCENARIOS if which == "patched" else ())
             env = dict(os.environ,
-                       PYTHONPATH=f"{resync_overlays[which]}:{vllm_layer(vllm)}:{VERIFY}",
+                       PYTHONPATH=f"{resync_overlays[which]}:{vllm_layer(vllm)}:{REPO}",
                        LMCACHE_DISABLE_BANNER="1")
             proc = subprocess.run([str(runtime_python_053), *SIM, "batch",
                                    "--scenarios", ",".join(scenarios), "--out", str(out)]

@@ -3,7 +3,7 @@ tracked block ids vs vLLM's real scheduler-side lists (BlockPool + MambaManager
 align/spec + FA), on vLLM 0.27.1 (part 03 reconstructs the lists) and 0.33.0
 (part 08 takes them from ``SchedulerOutput.kv_connector_block_state``).
 
-verify/lmcache_patchtool_verify/resync_sim.py drives the real vLLM KVCacheManager
+gate/resync_sim.py drives the real vLLM KVCacheManager
 and the real LMCacheMPConnector (scheduler role); see its docstring for what is emulated.
 """
 
@@ -126,7 +126,7 @@ def test_non_hybrid_behaviour_unchanged(run_sim, scenario, vllm):
 def test_patch_applies_to_fresh_wheel(tmp_path):
     import zipfile
 
-    import provision
+    from lab import provision
 
     with zipfile.ZipFile(provision.wheel("0.5.3")) as zf:
         zf.extract("lmcache/integration/vllm/lmcache_mp_connector.py", tmp_path)

@@ -1,8 +1,8 @@
 """Fixtures for the part-03 / DCP-guard / part-08 port tests (LMCache 0.5.4,
 0.5.5, 0.5.6): per version, the vLLM layers (0.27.1 and 0.33.0) built against
-that version's runtime env (scripts/provision_vllm.py), pristine, patched and
+that version's runtime env (lab/provision_vllm.py), pristine, patched and
 revision-2 overlays, and ONE batch run of
-verify/lmcache_patchtool_verify/resync_sim.py per (version, build, vLLM) that
+gate/resync_sim.py per (version, build, vLLM) that
 yields every scenario and the DCP construction probe (one import of vLLM and
 lmcache per run keeps CI cost at ~10 s a run).  Patched runs also carry part
 08's agreement check (``--check``) and the fault scenarios of
@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 
-import provision  # made importable by tests/conftest.py
+from lab import provision  # made importable by tests/conftest.py
 from _resync_results import FAULT_SCENARIOS
 
 REPO = Path(__file__).resolve().parents[2]
-VERIFY = REPO / "verify"
-SIM = ["-m", "lmcache_patchtool_verify.resync_sim"]  # verify/ on PYTHONPATH
+SIM = ["-m", "gate.resync_sim"]  # verify/ on PYTHONPATH
 SCENARIOS = ("hybrid", "hybrid-c1", "plain", "plain-spec")
 CONSTRUCT_DCP = (1, 2)  # test_resync_ports.CONSTRUCT_DCP must match
 
@@ -44,7 +43,7 @@ def port_sim(tmp_path_factory):
 
     ``which`` is ``pristine`` (the wheel), ``patched`` (the whole series,
     applied with ``patch -p1 -F0``) or ``r2`` (the series without 08, and 15)."""
-    import provision_vllm  # scripts/ is on sys.path (tests/conftest.py)
+    from lab import provision_vllm
 
     cache: dict[tuple[str, str, str], dict] = {}
 
@@ -59,7 +58,7 @@ def port_sim(tmp_path_factory):
         layer = provision_vllm.vllm_layer(version, vllm=vllm)
         python = provision.runtime_env(version) / "bin" / "python"
         out = tmp_path_factory.mktemp("resync-ports") / f"{version}-{which}-{vllm}.json"
-        env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{VERIFY}", LMCACHE_DISABLE_BANNER="1")
+        env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{REPO}", LMCACHE_DISABLE_BANNER="1")
         scenarios = SCENARIOS + (FAULT_SCENARIOS if which == "patched" else ())
         proc = subprocess.run(
             [str(python), *SIM, "batch", "--out", str(out),

@@ -4,7 +4,7 @@ connector vs vLLM's real scheduler-side block lists (BlockPool + MambaManager
 align/spec + FA), on vLLM 0.27.1 and 0.33.0.
 
 One parametrized test per (version, vLLM) runs every check on one pristine and
-one patched batch run of verify/lmcache_patchtool_verify/resync_sim.py (see its
+one patched batch run of gate/resync_sim.py (see its
 docstring for what is real and what is emulated); the checks are those of
 tests/resync (0.5.3).  ``test_block_state_port`` runs part 08's checks
 (``_resync_results.check_block_state``).

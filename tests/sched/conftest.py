@@ -1,5 +1,5 @@
 """Fixtures for the scheduler-faithful simulation:
-``verify/lmcache_patchtool_verify/sched_sim.py`` run in an LMCache version's
+``gate/sched_sim.py`` run in an LMCache version's
 runtime venv with ``PYTHONPATH = <lmcache overlay>:<vLLM X layer>:verify`` (X =
 0.27.1 unless a test asks for another).
 
@@ -25,11 +25,10 @@ from typing import Any, Callable
 
 import pytest
 
-import provision  # made importable by tests/conftest.py
+from lab import provision  # made importable by tests/conftest.py
 
 REPO = Path(__file__).resolve().parents[2]
-VERIFY = REPO / "verify"
-SIM = ["-m", "lmcache_patchtool_verify.sched_sim"]  # verify/ on PYTHONPATH
+SIM = ["-m", "gate.sched_sim"]  # verify/ on PYTHONPATH
 
 
 # file-name prefixes of the parts added after part 03 revision 1 that change
@@ -63,8 +62,8 @@ def tracked_series(version: str) -> list[Path]:
 def sched_run(tmp_path_factory) -> Callable[..., dict[str, dict[str, Any]]]:
     """``sched_run(version, build, scenarios="ci", vllm="0.27.1")`` -> {scenario name:
     result}: the simulation in ``version``'s runtime venv over the vLLM ``vllm``
-    layer (scripts/provision_vllm.py), with that vLLM's own scheduler features."""
-    import provision_vllm  # scripts/ is on sys.path (tests/conftest.py)
+    layer (lab/provision_vllm.py), with that vLLM's own scheduler features."""
+    from lab import provision_vllm
 
     cache: dict[tuple[str, str, str, str, int | None], dict[str, dict[str, Any]]] = {}
 
@@ -86,7 +85,7 @@ def sched_run(tmp_path_factory) -> Callable[..., dict[str, dict[str, Any]]]:
         out = tmp_path_factory.mktemp("sched") / f"{version}-{build}-{vllm}.json"
         if block_size is not None:  # e.g. pure attention at the block an operator passes
             scenarios += f",--block-size={block_size}"
-        env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{VERIFY}",
+        env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{REPO}",
                    LMCACHE_DISABLE_BANNER="1")
         args = [a for s in scenarios.split(",")
                 for a in ((s,) if s.startswith("--") else ("--scenario", s))]

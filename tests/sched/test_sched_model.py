@@ -9,10 +9,9 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "verify"))
 
-from lmcache_patchtool_verify.sched_server import FakeServer, ServerRules  # noqa: E402
-from lmcache_patchtool_verify.sched_truth import (  # noqa: E402
+from lab.sched_server import FakeServer, ServerRules  # noqa: E402
+from lab.sched_truth import (  # noqa: E402
     NULL_BLOCK, DraftState, StepInput, Truth)
 
 N = 4

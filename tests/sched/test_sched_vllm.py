@@ -12,9 +12,9 @@ CI: the oldest and the newest vLLM (0.27.1, 0.33.0) for every series, CI
 scenarios, builds pristine and patched.  ``LMCACHE_PATCHTOOL_VLLM_MATRIX=1``:
 every vLLM of :data:`VLLM_ALL`; with ``LMCACHE_PATCHTOOL_SCHED_FULL=1`` too,
 the wide scenario matrix.  The committed evidence file
-(verify/evidence/sched-vllm-matrix.json) is written by
-``python verify/lmcache_patchtool_verify/sched_matrix.py --vllm 0.27.1,0.28.0,0.30.0,0.33.0
---json verify/evidence/sched-vllm-matrix.json``.
+(lab/evidence/sched-vllm-matrix.json) is written by
+``python gate/sched_matrix.py --vllm 0.27.1,0.28.0,0.30.0,0.33.0
+--json lab/evidence/sched-vllm-matrix.json``.
 """
 
 from __future__ import annotations

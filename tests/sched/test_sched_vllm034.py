@@ -17,7 +17,7 @@ lists.  These tests run vLLM 0.34.0's real ``Scheduler`` (and its
 CI: every series on the hybrid scenarios, the oldest and newest series (0.5.3,
 0.5.6) on async scheduling and pure attention at block 128;
 ``LMCACHE_PATCHTOOL_VLLM_MATRIX=1``: every series on all of it, blocks 64 and 256 too.  The committed evidence of all of it (every series,
-every block) is ``verify/evidence/sched-vllm-matrix.json`` (its ``extended`` sets).
+every block) is ``lab/evidence/sched-vllm-matrix.json`` (its ``extended`` sets).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Fixtures for the tool tests: real wheels, real venvs (``pip install
---no-deps``, via scripts/provision.py), copied per test so the cached
+--no-deps``, via lab/provision.py), copied per test so the cached
 environments are never modified, and a test patch set built from real
 wheel files with the tool's own ``manifest build``."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import provision
+from lab import provision
 
 from .helpers import (REPO, cli, copy_venv, insert_after, replace_line, site_of, wheel_member,
                       write_diff)

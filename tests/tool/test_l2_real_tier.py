@@ -1,6 +1,6 @@
 """``patchtool l2 scan`` on a tier written by real servers: pristine 0.5.3 and
 pristine 0.5.6 each store six chunks of qwen35-0.8b at two blocks per chunk
-(``verify/restore_gate.py --phase store``: a real ``lmcache server`` with an
+(``gate/restore_gate.py --phase store``: a real ``lmcache server`` with an
 fs L2 tier, SIGKILLed once the objects are on disk).
 
 The two releases write different sizes for the same model (6,815,744 B and
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-import provision
+from lab import provision
 
 from .helpers import REPO, cli
 
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.torch,
               pytest.mark.skipif(os.environ.get("LMCACHE_PATCHTOOL_FULL") != "1",
                                  reason="two real servers: LMCACHE_PATCHTOOL_FULL=1")]
 
-GATE = REPO / "verify" / "restore_gate.py"
+GATE = REPO / "gate" / "restore_gate.py"
 SIZES = {"0.5.3": 6_815_744, "0.5.6": 8_912_896}  # pristine, qwen35-0.8b, C = 2N, CPU
 AMBIGUOUS, FLAGGED = 21, 20
 

@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-import provision
+from lab import provision
 from patchtool.manifest import SCHEMA, load_manifest
 from patchtool.manifest_build import build_manifest
 from patchtool.record import parse_record, record_hash, render_record, replace_rows, RecordRow

@@ -87,7 +87,7 @@ def test_built_wheel_ships_patch_sets(tmp_path):
     closure = verify_closure(REPO)
     assert shipped == closure, (f"shipped, not run: {sorted(shipped - closure)}; "
                                 f"run, not shipped: {sorted(closure - shipped)}")
-    assert {"restore_gate.py", "roundtrip.py", "gpu_gate.py", "engine_shim/sitecustomize.py",
+    assert {"restore_gate.py", "roundtrip.py", "engine_gate.py", "engine_shim/sitecustomize.py",
             "lmcache_patchtool_verify/__init__.py", "lmcache_patchtool_verify/procs.py"} <= shipped
     # patchtool._data is the repository root as a data-only package: nothing
     # but the patch sets, those verify/ files and the upstream proposals
@@ -110,7 +110,7 @@ def test_built_wheel_ships_patch_sets(tmp_path):
     # Nothing of the checkout reaches the installed interpreter: no PYTHONPATH,
     # cwd outside it, and its sys.path names no checkout directory (but the
     # deps' site-packages, which may sit in the checkout's .venv).
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LMCACHE_PATCHTOOL_VERIFY",
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LMCACHE_PATCHTOOL_GATE",
                                                                "LMCACHE_PATCHTOOL_PATCHES")}
     path = subprocess.run([py, "-c", "import sys; print('\\n'.join(sys.path))"], capture_output=True,
                           text=True, cwd=tmp_path, env=env, check=True).stdout.split()

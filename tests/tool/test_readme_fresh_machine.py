@@ -2,7 +2,7 @@
 
 A new user's first contact with the project is that line (README.md, "Fresh machine"): it
 installs patchtool into a new ``.venv``, provisions a bare venv holding the real lmcache 0.5.6
-wheel (``scripts/provision.py bare 0.5.6``) and runs ``patchtool status`` on it.  The command
+wheel (``lab/provision.py bare 0.5.6``) and runs ``patchtool status`` on it.  The command
 substitutes provision.py's stdout as the ``--python`` path, so anything else on that stdout (pip's
 own download lines, which appear only when the wheel is not cached yet) breaks it.  Nobody sees
 that on a warm machine, so this test runs the line exactly as the README prints it, in a copy of

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import provision
+from lab import provision
 from patchtool.errors import Refusal
 from patchtool.record import (Record, RecordRow, check_rows, parse_record, render_record,
                               replace_rows)

@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 
-import provision  # tests/conftest.py puts scripts/ on sys.path
+from lab import provision
 import pytest
 
 from patchtool.fsio import CRASH_EXIT, FAULT_ENV as CRASH_ENV

@@ -46,7 +46,7 @@ def test_not_installed(tmp_path, test_patches):
 
 
 def test_fixed_upstream_manifest(tmp_path, bare_envs, test_patches):
-    import provision
+    from lab import provision
 
     root = tmp_path / "patches"
     shutil.copytree(test_patches, root)

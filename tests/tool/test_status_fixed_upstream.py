@@ -2,7 +2,7 @@
 project's upstream proposals (patchtool/upstream.py): the proposal and the
 part it stands for are named as fixed upstream, in a note and in the JSON.
 
-The "later release" is the real 0.5.7rc2 install (scripts/provision.py's bare
+The "later release" is the real 0.5.7rc2 install (lab/provision.py's bare
 env, copied) with the proposal applied to its site-packages, which is what a
 release shipping it looks like on disk; the same install without it, and with
 the fix written differently by one line, names nothing."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import provision
+from lab import provision
 from patchtool import upstream
 
 from .helpers import REPO, cli, copy_venv, site_of

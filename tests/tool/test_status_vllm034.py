@@ -1,12 +1,12 @@
 """``patchtool status`` next to vLLM 0.34 (patchtool/vllm_compat.py): on a real venv with the real
-lmcache wheel installed (scripts/provision.py's bare env, copied), and a vLLM 0.34.0 distribution
+lmcache wheel installed (lab/provision.py's bare env, copied), and a vLLM 0.34.0 distribution
 beside it.  status reads vLLM's version from its dist-info METADATA and never imports it, so the
 distribution here is that metadata alone, with a ``vllm`` package that raises on import (the
 400 MB wheel would add nothing the tool reads).
 
 Pristine: the note names the crash at the first scheduler step and the command that fixes it;
 patched with the shipped set, whose manifest lists 0.34.0 from the evidence
-(scripts/support_table.py --check), no crash note and 0.34.0 among the verified versions."""
+(lab/support_table.py --check), no crash note and 0.34.0 among the verified versions."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """What of ``verify/`` patchtool runs: the files its wheel must ship, no more.
 
 Roots: every string literal in ``patchtool/`` that names a file at the top of
-``verify/`` (``verify_root / "restore_gate.py"``, ``GPU_GATE = "gpu_gate.py"``):
+``verify/`` (``verify_root / "restore_gate.py"``, ``GPU_GATE = "engine_gate.py"``):
 the scripts patchtool launches by path.  From each file reached, follow
 
 * every import, module-level or function-local, absolute or relative, that
-  resolves to ``verify/<name>.py`` or ``verify/lmcache_patchtool_verify/<name>.py``
+  resolves to ``verify/<name>.py`` or ``gate/<name>.py``
   (a helper module brings the package's ``__init__.py``);
-* every string literal naming a helper module (``"lmcache_patchtool_verify.x"``,
+* every string literal naming a helper module (``"gate.x"``,
   as ``python -m`` runs it) or an entry at the top of ``verify/`` (a file, or a
   folder's files: ``engine_device.SHIM_DIR`` is ``.../"engine_shim"``).
 

@@ -1,4 +1,4 @@
-"""scripts/engine_gate_evidence.py turns one engine-gate result into an
+"""lab/engine_gate_evidence.py turns one engine-gate result into an
 evidence cell: the per-length restore figures come from the numeric entries
 of the restore arm only; the extra requests (the first restore after the
 restart, the mid-step follow-up, the continuation) sit beside them under
@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
 
-import engine_gate_evidence as ege  # noqa: E402
+from lab import engine_gate_evidence as ege  # noqa: E402
 
 
 def _arm(tokens: int) -> dict:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SHIM = REPO / "verify" / "engine_shim"
+SHIM = REPO / "gate" / "engine_shim"
 TRACE = REPO / "bench" / "engine_trace.py"
 
 STANDINS = {

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "verify"))
 
-from lmcache_patchtool_verify import evidence_merge  # noqa: E402
+from lab import evidence_merge  # noqa: E402
 
 KEY = ("lmcache", "vllm", "build")
 

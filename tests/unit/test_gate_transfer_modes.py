@@ -1,7 +1,7 @@
 """``gate_transfer_modes``: a set that fixes LMCache's
 engine-driven path declares that the CPU restore gate must pass in that mode
 too, and ``verify --restore cpu`` then runs the gate once per declared mode.
-The gate here is a stand-in script (``LMCACHE_PATCHTOOL_VERIFY``) that records
+The gate here is a stand-in script (``LMCACHE_PATCHTOOL_GATE``) that records
 its argv and fails on demand, so the test sees exactly what ran."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def gate(tmp_path) -> dict:
 def verify_cpu(site: Path, root: Path, gate: dict, fail: str = "") -> tuple:
     r = cli("verify", *sp(site), "--restore", "cpu", "--python", gate["python"], "--json",
             "--preset", "p1", patches=root,
-            env={"LMCACHE_PATCHTOOL_VERIFY": str(gate["root"]), "GATE_LOG": str(gate["log"]),
+            env={"LMCACHE_PATCHTOOL_GATE": str(gate["root"]), "GATE_LOG": str(gate["log"]),
                  "GATE_FAIL": fail})
     runs = [json.loads(ln) for ln in gate["log"].read_text().splitlines()] \
         if gate["log"].exists() else []

@@ -177,58 +177,8 @@ def test_no_import_circles():
     assert circles(graph()) == []
 
 
-# No class or function a reader cannot hold (issue 38).
-MAX_UNIT_LINES = 300
-
-
-def long_units(root: Path) -> list[str]:
-    out = []
-    for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                n = (node.end_lineno or node.lineno) - node.lineno + 1
-                if n > MAX_UNIT_LINES:
-                    out.append(f"{path.relative_to(root.parent)}:{node.lineno}: {node.name} is {n} lines")
-    return out
-
-
-def test_no_unit_over_300_lines_in_patchtool(tmp_path):
-    big = tmp_path / "pkg" / "m.py"
-    big.parent.mkdir()
-    big.write_text("def f():\n" + "    x = 1\n" * MAX_UNIT_LINES)
-    assert long_units(big.parent) == ["pkg/m.py:1: f is 301 lines"]  # the check sees one
-    assert long_units(PKG) == []
-
-
-VERIFY_PKG = Path(__file__).resolve().parents[2] / "verify" / "lmcache_patchtool_verify"
-
-
-def verify_graph() -> dict[str, set[str]]:
-    """The same graph for the verification helper package (relative and
-    absolute ``lmcache_patchtool_verify`` imports)."""
-    mods = {p.stem: p for p in sorted(VERIFY_PKG.glob("*.py"))}
-
-    def targets(node: ast.stmt) -> list[str]:
-        out: list[str] = []
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1:
-                out = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
-            elif node.module and node.module.startswith("lmcache_patchtool_verify."):
-                out = [node.module.split(".")[1]]
-            elif node.module == "lmcache_patchtool_verify":
-                out = [a.name for a in node.names]
-        elif isinstance(node, ast.Import):
-            out = [a.name.split(".")[1] for a in node.names
-                   if a.name.startswith("lmcache_patchtool_verify.")]
-        return [t for t in out if t in mods]
-
-    return {m: {t for node, _ in imports(p) for t in targets(node) if t != m} for m, p in mods.items()}
-
-
-def test_no_import_circles_in_the_verify_package():
-    edges = verify_graph()
-    assert len(edges) > 30 and edges["ports_edits"] >= {"geometry", "vllm_stub"}  # it reads the package
-    assert circles(edges) == []
+# The repository-wide rules (circles across gate/ and lab/, sys.path edits, the
+# gate never using the lab, units over 300 lines) are tests/unit/test_layout.py.
 
 
 def test_function_local_imports_say_why():

@@ -1,4 +1,4 @@
-"""scripts/provision.py on a fresh machine, offline: a runtime venv built from
+"""lab/provision.py on a fresh machine, offline: a runtime venv built from
 a throwaway cache with fake ``torch``/``openai`` wheels, where torch is only
 reachable through ``$LMCACHE_PATCHTOOL_TORCH_INDEX`` and everything else only
 through ``$LMCACHE_PATCHTOOL_PIP_ARGS`` (pip's own configuration is cut off),
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import provision  # scripts/ is on sys.path (tests/conftest.py)
+from lab import provision
 
 from . import synthwheel as sw
 

@@ -1,4 +1,4 @@
-"""scripts/provision_vllm.py, the vLLM version -> pins logic,
+"""lab/provision_vllm.py, the vLLM version -> pins logic,
 offline, on synthetic METADATA: the torch pin, the light packages' pins, the
 per-version extras, the nearest-CPU-torch choice and the version knob."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-import provision  # scripts/ is on sys.path (tests/conftest.py)
-import provision_vllm as pv
+from lab import provision
+from lab import provision_vllm as pv
 
 # Shaped like vLLM 0.33.0's METADATA (the lines that matter, plus noise).
 META_033 = """Metadata-Version: 2.4

@@ -1,5 +1,5 @@
 """LMCache x vLLM support cells come from evidence files alone
-(``scripts/vllm_cells.py``): each check that can deny a cell is shown to deny
+(``lab/vllm_cells.py``): each check that can deny a cell is shown to deny
 it, on synthetic evidence written here."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
 
-import vllm_cells  # noqa: E402
+from lab import vllm_cells  # noqa: E402
 
 LM = "0.5.3"
 OLD, NEW = "0.27.1", "0.33.0"
@@ -207,7 +206,7 @@ def test_presets_for():
 
 
 def test_render_footnotes_and_manifest_check(ev, tmp_path):
-    import support_table  # noqa: PLC0415
+    from lab import support_table  # noqa: PLC0415
 
     def m(d):
         d["sched"]["cells"][2]["divergences"] = 4
@@ -217,7 +216,7 @@ def test_render_footnotes_and_manifest_check(ev, tmp_path):
     assert "1. scheduler simulation: 4 block-id divergences patched" in text
 
 
-# vLLM 0.34 (scripts/vllm_cells.EXTENDED_REQUIRED_SINCE): the scheduler cell also needs the
+# vLLM 0.34 (lab/vllm_cells.EXTENDED_REQUIRED_SINCE): the scheduler cell also needs the
 # extended sets of sched_matrix (async scheduling, pure attention at blocks 64/128/256).
 V034 = "0.34.0"
 
@@ -234,7 +233,7 @@ def _with_034(d: dict, extended: dict | None) -> None:
 
 
 def _cells_034(ev, tmp_path, extended):
-    import vllm_cells as vc
+    from lab import vllm_cells as vc
     root, results = ev.root, ev.results
     d = {"geometry": _geometry(root), "sched": _sched(root), "engine_driven": _engine_driven(root)}
     _with_034(d, extended)

@@ -40,7 +40,7 @@ def test_vllm_033_gets_the_torch_214_note(site, patch_root):
     [note] = torch_notes(res)
     assert "vLLM 0.33.0" in note and "torch 2.14" in note
     for needle in ("lmcache_native", "cuda_ops", "c_ops", "patchtool verify --restore gpu",
-                   "verify/gpu_roundtrip_device.sh"):
+                   "lab/gpu_roundtrip_device.sh"):
         assert needle in note, needle
     # 0.33.0 is not in the synthetic manifest's vllm_versions (0.27.1) either
     assert unverified_notes(res) == ["not verified with vLLM 0.33.0; verified: 0.27.1"]
@@ -136,7 +136,7 @@ def test_vllm_notes_pure(version, verified, torch, unverified):
 
 
 def test_verify_restore_gpu_reports_the_native_preflight_abort(tmp_path, site, patch_root):
-    """``patchtool verify --restore gpu`` runs verify/gpu_gate.py, whose preflight
+    """``patchtool verify --restore gpu`` runs gate/engine_gate.py, whose preflight
     loads LMCache's native extensions under the deployment's torch (here a fake
     CUDA torch 2.14.0; the synthetic lmcache has no extension at all): the check
     fails as an error, with the gate's one-line reason in its detail."""

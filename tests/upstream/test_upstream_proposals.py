@@ -1,5 +1,5 @@
 """The upstream proposals (``upstream/``) against the LMCache source they
-target (``scripts/upstream_check.py``): each applies exactly, its own test
+target (``lab/upstream_check.py``): each applies exactly, its own test
 passes patched and fails pristine, the series passes as a whole; and the
 check itself can fail (a proposal without its fix, a moved hunk, a test that
 only skips)."""
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-import provision
-import provision_vllm
-import upstream_check as uc
+from lab import provision
+from lab import provision_vllm
+from lab import upstream_check as uc
 
 REPO = Path(__file__).resolve().parents[2]
-EVIDENCE = REPO / "verify" / "evidence" / "upstream-check.json"
+EVIDENCE = REPO / "lab" / "evidence" / "upstream-check.json"
 README = REPO / "upstream" / "README.md"
 # What the issue asks for at least: the pure-attention rule, the CPU stride
 # path, vLLM 0.34's scheduler output.
@@ -61,7 +61,7 @@ def test_series_passes_as_a_whole(result: dict) -> None:
 
 
 def test_recorded_evidence_matches_the_proposals(result: dict) -> None:
-    """verify/evidence/upstream-check.json is a run over these proposals,
+    """lab/evidence/upstream-check.json is a run over these proposals,
     with the same per-proposal counts as this run."""
     recorded = json.loads(EVIDENCE.read_text())
     assert recorded["ok"] and recorded["target"] == uc.TARGET

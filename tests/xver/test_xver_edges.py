@@ -1,5 +1,5 @@
 """The cross-version gate through real servers: writer build -> reader build
-over one persistent fs L2 directory (verify/xver_gate.py).
+over one persistent fs L2 directory (lab/xver_gate.py).
 
 * CI subset: the upgrade/downgrade edges operators meet (xver_gate.CI_EDGES,
   six pairs), every preset, one and two blocks per chunk, in ONE orchestrator
@@ -30,12 +30,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-XVER = REPO / "verify" / "xver_gate.py"
-sys.path.insert(0, str(REPO / "verify"))
-sys.path.insert(0, str(REPO / "scripts"))
+XVER = REPO / "lab" / "xver_gate.py"
 
-import xver_gate  # noqa: E402  (stdlib + provision + xver_outcome: no torch)
-from lmcache_patchtool_verify.xver_outcome import ALL_BUILDS, PRESETS, Build, expected_outcome  # noqa: E402
+from lab import xver_gate  # noqa: E402  (stdlib + provision + xver_outcome: no torch)
+from gate.xver_outcome import ALL_BUILDS, PRESETS, Build, expected_outcome  # noqa: E402
 from xver_run import run_xver  # noqa: E402  (this folder's helper)
 
 FULL = os.environ.get("LMCACHE_PATCHTOOL_XVER_FULL") == "1"
@@ -142,7 +140,7 @@ def test_attention_k1_objects_keep_pristine_keys_and_bytes(ci_run) -> None:
     which a pristine reader never reads."""
     import hashlib
 
-    from lmcache_patchtool_verify import tier_objects  # noqa: PLC0415  (stdlib only)
+    from gate import tier_objects  # noqa: PLC0415  (stdlib only)
 
     _, _, work = ci_run
 

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "verify"))
 
-from lmcache_patchtool_verify import xver_outcome as xo  # noqa: E402
-from lmcache_patchtool_verify.xver_outcome import Build, classify, expected_outcome, predicted_outcome  # noqa: E402
+from gate import xver_outcome as xo  # noqa: E402
+from gate.xver_outcome import Build, classify, expected_outcome, predicted_outcome  # noqa: E402
 
 pytestmark = pytest.mark.standalone
 
@@ -259,14 +258,13 @@ def test_matrix_markdown_letters_and_stars() -> None:
     (["--phase", "store", "--l2-dir", ".", "--state-out", "s", "--model-prefix", "a+b"], "may not contain"),
 ])
 def test_phase_arguments_are_refused_loudly(argv: list[str], msg: str) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "verify" / "restore_gate.py"), *argv],
+    proc = subprocess.run([sys.executable, str(REPO / "gate" / "restore_gate.py"), *argv],
                           capture_output=True, text=True, cwd=str(REPO))
     assert proc.returncode == 2 and msg in proc.stderr, proc.stderr
 
 
 def test_edges_for_selects_the_ci_edges_of_a_version() -> None:
-    sys.path.insert(0, str(REPO / "scripts"))
-    import xver_gate  # noqa: PLC0415
+    from lab import xver_gate  # noqa: PLC0415
 
     assert len(xver_gate.CI_EDGES) == 6
     assert {(w.label, r.label) for w, r in xver_gate.edges_for("0.5.4")} == {("0.5.3-patched", "0.5.4-patched")}
@@ -280,7 +278,7 @@ def test_edges_for_selects_the_ci_edges_of_a_version() -> None:
     (["--ci", "--tier", "redis", "--expect", "today"], "only --expect layout"),
 ])
 def test_xver_tier_arguments_are_refused_loudly(argv: list[str], msg: str) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "verify" / "xver_gate.py"), *argv],
+    proc = subprocess.run([sys.executable, str(REPO / "lab" / "xver_gate.py"), *argv],
                           capture_output=True, text=True, cwd=str(REPO))
     assert proc.returncode == 2 and msg in proc.stderr.splitlines()[-1], proc.stderr
 
@@ -291,8 +289,8 @@ def test_restore_gate_names_stale_segments_of_its_own_pid(tmp_path: Path) -> Non
     segments of other pids are not its business."""
     import os  # noqa: PLC0415
 
-    import restore_gate  # noqa: PLC0415  (no torch at import)
-    import xver_gate  # noqa: PLC0415
+    from gate import restore_gate  # noqa: PLC0415  (no torch at import)
+    from lab import xver_gate  # noqa: PLC0415
 
     (tmp_path / f"lmcache_kv_{os.getpid()}_0").write_bytes(b"")
     (tmp_path / f"lmcache_kv_{os.getpid() + 1}_0").write_bytes(b"")

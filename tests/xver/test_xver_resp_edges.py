@@ -1,4 +1,4 @@
-"""The cross-version gate over ONE shared Redis tier (verify/xver_gate.py
+"""The cross-version gate over ONE shared Redis tier (lab/xver_gate.py
 --redis-url / --tier redis): every writer and reader build uses LMCache's
 ``resp`` adapter on the same real ``redis-server``, as a rolling upgrade
 does.
@@ -37,13 +37,11 @@ import pytest
 from _redis import running_redis
 
 REPO = Path(__file__).resolve().parents[2]
-XVER = REPO / "verify" / "xver_gate.py"
-sys.path.insert(0, str(REPO / "verify"))
-sys.path.insert(0, str(REPO / "scripts"))
+XVER = REPO / "lab" / "xver_gate.py"
 
-import xver_gate  # noqa: E402  (stdlib + provision + xver_outcome: no torch)
-from lmcache_patchtool_verify.redis_proc import ping  # noqa: E402
-from lmcache_patchtool_verify.xver_outcome import ALL_BUILDS, PRESETS, Build, expected_outcome  # noqa: E402
+from lab import xver_gate  # noqa: E402  (stdlib + provision + xver_outcome: no torch)
+from lab.redis_proc import ping  # noqa: E402
+from gate.xver_outcome import ALL_BUILDS, PRESETS, Build, expected_outcome  # noqa: E402
 from xver_run import run_xver  # noqa: E402  (this folder's helper)
 
 FULL = os.environ.get("LMCACHE_PATCHTOOL_XVER_FULL") == "1"
@@ -184,7 +182,7 @@ def test_shared_pristine_reader_misses_its_own_objects_after_a_size_mismatch(tmp
 
 def test_tier_redis_starts_and_stops_a_private_server(tmp_path: Path) -> None:
     """--tier redis without --redis-url: a private redis-server for the run
-    (lmcache_patchtool_verify.redis_proc), gone with it."""
+    (gate.redis_proc), gone with it."""
     args = argparse.Namespace(tier="redis", redis_url=None)
     share, server = xver_gate.open_share(args, tmp_path, lambda line: None)
     try:

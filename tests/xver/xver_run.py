@@ -1,4 +1,4 @@
-"""One run of ``verify/xver_gate.py`` for the xver tests (fs and Redis edges)."""
+"""One run of ``lab/xver_gate.py`` for the xver tests (fs and Redis edges)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-XVER = REPO / "verify" / "xver_gate.py"
+XVER = REPO / "lab" / "xver_gate.py"
 # Extra xver_gate.py arguments for every run, e.g. "--exclude-patch 05-layout-keys"
 # (the tier as it was before layout keys: the CI edges then FAIL with wrong hits).
 EXTRA = shlex.split(os.environ.get("LMCACHE_PATCHTOOL_XVER_ARGS", ""))
