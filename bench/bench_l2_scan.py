@@ -46,8 +46,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from patchtool.l2.names import object_name  # noqa: E402
-
+from patchtool.l2.names import object_name
 SCAN_EXITS = (0, 20, 21)  # clean, flagged, ambiguous
 
 MODEL_A, MODEL_B = "Qwen/Qwen3.5-0.8B", "meta-llama/Llama-3.1-8B"

@@ -15,8 +15,7 @@ against one real ``redis-server`` (started here on 127.0.0.1, a free port,
   constructed as the factory does but with ``object_checksum=False``.
 
 The objects are real ``TensorMemoryObj``s carved from one CPU uint8 pool, as
-the round-trip harness's L1 stand-in makes them (``verify/
-gate/harness.py``).  Sizes are one chunk of
+the round-trip harness's L1 stand-in makes them (``gate/harness.py``).  Sizes are one chunk of
 ``qwen35-0.8b`` at C = 2N (attention 2,228,224 B, GDN state 6,684,672 B) and
 of ``pure-attn-bs128`` (256 tokens, 2 layers: 2,097,152 B).  Cases, each one
 store task and one load task of ``--chunks`` chunks:

@@ -31,8 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from lab import provision  # noqa: E402
-
+from lab import provision
 HARNESS = REPO / "gate" / "roundtrip.py"
 TARGET = 1.25
 

@@ -49,7 +49,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 INNER_ENV = "LMCACHE_PATCHTOOL_BENCH_SHM_INNER"
 MIB = 2 ** 20
-# Qwen3.5-0.8B-like GDN layer at N = 576 (verify/.../geometry.py, qwen35-bs576-v030):
+# Qwen3.5-0.8B-like GDN layer at N = 576 (gate/geometry.py, qwen35-bs576-v030):
 # conv state (3, 6144) bf16 + ssm state (16, 128, 128) fp32 = 1,085,440 B, padded page
 # 576 * 2 KV heads * 2 * 256 * 2 B = 1,179,648 B.
 STATES = (((3, 6144), "bfloat16"), ((16, 128, 128), "float32"))

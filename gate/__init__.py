@@ -1,21 +1,20 @@
-"""Helpers of the verification scripts in ``verify/`` (lmcache-patchtool).
+"""The gate: the proofs ``patchtool verify`` runs (lmcache-patchtool).
 
-The scripts at the top of ``verify/`` (``restore_gate.py``, ``roundtrip.py``,
-``engine_gate.py``, ``tiny_hybrid_model.py``) run by path in the TARGET
-interpreter, which puts ``verify/`` first on ``sys.path``; everything they
-import lives in this one uniquely named package, so no helper name
-(``procs``, ``geometry``, ...) can shadow or be shadowed by a module of the
-target environment.  Drivers used by the tests and the lent-device run
-(``ports_roundtrip``, ``ports_dcp_probe``, ``registration_probe``,
-``resync_sim``, ``roundtrip_device``, ``ed_lock_probe``,
-``ed_staging_probe``) run as
-``python -m lmcache_patchtool_verify.<name>`` with ``verify/`` on
-``PYTHONPATH``.
+Three scripts run by path in the TARGET interpreter (the one with torch and
+the lmcache under test): ``restore_gate.py`` (the CPU restore gate: a real
+``lmcache server``, an fs or Redis tier, a restart, a byte-exact restore),
+``roundtrip.py`` (the in-process round trip) and ``engine_gate.py`` (the
+restore gate through a real vLLM, on CPU or a GPU).  Everything else here is
+what they import: ``restore_*`` the restore gate's steps, ``engine_*`` the
+engine gate's, ``harness*`` the round trip's, and the geometry, tier and
+process helpers they share; ``engine_shim/`` is put on vLLM's ``PYTHONPATH``
+by the engine gate.
 
-The wheel ships only the three scripts patchtool runs (``restore_gate.py``,
-``roundtrip.py``, ``engine_gate.py``) and the modules they import: the explicit
-list in pyproject.toml, which tests/tool/test_packaging.py checks.  The rest
-stays in the checkout.
+Every module imports its siblings as ``gate.<name>``: the folder above this
+one is on ``PYTHONPATH`` (patchtool's runner puts it there: the repository
+root in a checkout, ``patchtool/_data`` in the wheel).  The wheel ships this
+folder whole; nothing here imports the lab (``lab/``), which may import the
+gate (tests/unit/test_layout.py).
 
 Importing the package imports nothing else (no torch, no lmcache).
 """

@@ -5,7 +5,7 @@ What ``patchtool verify --roundtrip`` runs by path in the target interpreter;
 the harness itself is ``gate/harness.py`` (its docstring
 describes the cells, the guards and ``--device cuda``)::
 
-    PYTHONPATH=<overlay> <venv>/bin/python -m gate.roundtrip --json --preset qwen35-0.8b
+    PYTHONPATH=<overlay>:<repo> <venv>/bin/python gate/roundtrip.py --json --preset qwen35-0.8b
     ... gate/roundtrip.py --json --matrix fast --path native
 
 The harness was written against 0.5.3; before any cell runs,
@@ -13,9 +13,8 @@ The harness was written against 0.5.3; before any cell runs,
 the ops module, 0.5.6 the transfer functions and the storage-manager
 surface), as every other driver of the harness does.
 
-Run by path, this file's directory is first on ``sys.path``, so the helper
-package imports as ``lmcache_patchtool_verify`` and nothing else of
-``verify/`` becomes a top-level module in the target interpreter.
+The folder above ``gate/`` is on ``PYTHONPATH`` (patchtool's runner puts
+it there), so the helpers import as ``gate.<name>``.
 """
 
 import sys

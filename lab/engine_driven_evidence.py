@@ -51,15 +51,13 @@ import time
 from pathlib import Path
 
 
-from lab.geometry_evidence import REPO, VERSIONS, gate_presets, gate_report, write_evidence  # noqa: E402  (puts verify/ on sys.path)
-from lab import provision  # noqa: E402
-from lab.vllm_cells import patches_sha256, stacked_patches  # noqa: E402
-
-from gate.restore_server import l2_objects  # noqa: E402
-from gate.tier_objects import has_trailer, kv_bytes  # noqa: E402
-from gate import geometry  # noqa: E402
-from gate.xver_outcome import preset as gate_preset  # noqa: E402
-
+from lab.geometry_evidence import REPO, VERSIONS, gate_presets, gate_report, write_evidence
+from lab import provision
+from lab.vllm_cells import patches_sha256, stacked_patches
+from gate.restore_server import l2_objects
+from gate.tier_objects import has_trailer, kv_bytes
+from gate import geometry
+from gate.xver_outcome import preset as gate_preset
 OUT = REPO / "lab" / "evidence" / "engine-driven-gate.json"
 SCHEMA = 1
 # vLLM 0.30+'s padded GDN view: engine-driven is the only mode that can move it

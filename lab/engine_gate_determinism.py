@@ -42,11 +42,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
-from lab import provision  # noqa: E402
-from lab import provision_engine  # noqa: E402
-from lab.engine_gate_evidence import GATE, STACK, series  # noqa: E402
-from lab.geometry_evidence import write_evidence  # noqa: E402
-
+from lab import provision
+from lab import provision_engine
+from lab.engine_gate_evidence import GATE, STACK, series
+from lab.geometry_evidence import write_evidence
 OUT = REPO / "lab" / "evidence" / "engine-determinism.json"
 CELL_ARGS = ["--lengths", "3k", "--max-num-batched-tokens", "0"]  # the CI cell, with the cold arm
 

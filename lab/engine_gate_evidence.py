@@ -44,10 +44,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
-from lab import provision  # noqa: E402
-from lab import provision_engine  # noqa: E402
-from lab.geometry_evidence import write_evidence  # noqa: E402
-from lab.vllm_cells import bytes_sha256 as series_sha  # noqa: E402  (the fingerprint the support table checks)
+from lab import provision
+from lab import provision_engine
+from lab.geometry_evidence import write_evidence
+from lab.vllm_cells import bytes_sha256 as series_sha  # the fingerprint the support table checks
 
 OUT = REPO / "lab" / "evidence" / "engine-gate.json"
 SCHEMA = 1

@@ -9,7 +9,7 @@ scheduler evidence) to decide which LMCache x vLLM cells say "verified".
 
 What runs, per (version, build):
 
-* the ports harness (``gate.ports_roundtrip --edits``:
+* the ports harness (``lab.ports_roundtrip --edits``:
   the installed connector's own registration edits, HND, Python path) on every
   preset of ``geometry.PRESETS``, two cells each (C = 1N x3 chunks; C = 2N x3
   skipping one block at retrieve);
@@ -48,9 +48,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from lab import provision  # noqa: E402
-from lab.vllm_cells import series_sha256  # noqa: E402
-
+from lab import provision
+from lab.vllm_cells import series_sha256
 from gate import geometry
 from lab import evidence_merge
 
@@ -70,7 +69,7 @@ def _log(msg: str) -> None:
 
 def run_harness(version: str, overlay: Path) -> dict:
     python = provision.runtime_env(version) / "bin" / "python"
-    args = [str(python), "-m", "gate.ports_roundtrip", "--json",
+    args = [str(python), "-m", "lab.ports_roundtrip", "--json",
             "--no-hashes", "--path", "python", "--layout", "HND", "--edits"]
     for name in geometry.PRESETS:
         for cb, skip in CELLS:

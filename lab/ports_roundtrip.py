@@ -11,7 +11,7 @@ registers with ``{"kv_layout": "NHD"}`` (0.5.6's detector honours an explicit
 hint on CPU; 0.5.3-0.5.5 force HND on CPU, so NHD is only meaningful there).
 Every other option is roundtrip.py's::
 
-    PYTHONPATH=<overlay>:verify <venv>/bin/python -m gate.ports_roundtrip --edits --layout HND --matrix fast
+    PYTHONPATH=<overlay>:<repo> <venv>/bin/python -m lab.ports_roundtrip --edits --layout HND --matrix fast
 """
 
 from __future__ import annotations

@@ -50,10 +50,9 @@ import sys
 import time
 from pathlib import Path
 
-from lab import provision  # noqa: E402
-from packaging.requirements import Requirement  # noqa: E402
-from packaging.utils import canonicalize_name  # noqa: E402
-
+from lab import provision
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 REPO = Path(__file__).resolve().parents[1]
 SHIM_DIR = REPO / "gate" / "engine_shim"
 

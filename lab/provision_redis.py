@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lab import provision  # noqa: E402  (a sibling script, not a package)
+from lab import provision  # a sibling script, not a package
 
 REDIS_SERVER_ENV = "LMCACHE_PATCHTOOL_REDIS_SERVER"
 APT_PACKAGE = "redis-server"

@@ -56,8 +56,7 @@ import sys
 import time
 from pathlib import Path
 
-from lab import provision  # noqa: E402
-
+from lab import provision
 VLLM_VERSION = "0.27.1"  # the default; $LMCACHE_PATCHTOOL_VLLM or vllm_layer(vllm=X) picks another
 VLLM_ENV = "LMCACHE_PATCHTOOL_VLLM"
 LMCACHE_VERSION = "0.5.3"  # the default; vllm_layer(V) builds one per version

@@ -2,7 +2,7 @@
 """The CUDA round trip on a lent GPU machine, per LMCache version.
 
 Run by ``lab/gpu_roundtrip_device.sh`` (``python3 -m
-gate.roundtrip_device``, ``verify/`` on ``PYTHONPATH``)
+lab.roundtrip_device``, the repository root on ``PYTHONPATH``)
 with the image's ``python3`` and the folder ``lab/prepare_carry.py`` wrote (``.device-carry``).  Never a
 venv: each version is ``pip install --no-deps --target``-ed from its carried
 wheel, the carried dependencies into one more folder, and everything is put on
@@ -14,7 +14,7 @@ wheel, the carried dependencies into one more folder, and everything is put on
    copy);
 2. **patch**: a copy of the install is patched with ``patchtool apply
    --site-packages`` (GNU ``patch -p1 -F0`` if that fails, recorded);
-3. **correctness**: ``-m gate.ports_roundtrip --device cuda --edits`` on
+3. **correctness**: ``-m lab.ports_roundtrip --device cuda --edits`` on
    the small matrix, pristine and patched, on the native path in HND and NHD,
    and on 0.5.6's direct-copy path (NHD, the layout it serves);
 4. **timing**: patched ``qwen35-0.8b`` (k=17) vs pristine ``control-k1`` on
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-HARNESS = ["-m", "gate.ports_roundtrip"]  # verify/ is on PYTHONPATH (env())
+HARNESS = ["-m", "lab.ports_roundtrip"]  # the repository root is on PYTHONPATH (env())
 # vLLM 0.30+ registers GDN state as (nb, 1, 1, content) with a padded stride(0).
 # On CPU every LMCache version refuses it (docs/ports.md); whether the CUDA
 # kernels take it is the open question, so it is recorded per version and

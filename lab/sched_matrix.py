@@ -10,10 +10,10 @@ process per (V, X, build), with vLLM X's own scheduler features on (0.33+:
 prefill checkpoint blocks, N = 576; see docs/scheduler-sim.md)::
 
     # the committed evidence, about 6 min on 2 cores once the layers exist
-    python gate/sched_matrix.py \\
+    python lab/sched_matrix.py \\
         --vllm 0.27.1,0.28.0,0.30.0,0.33.0 --json lab/evidence/sched-vllm-matrix.json
-    python gate/sched_matrix.py --scenario ci --markdown   # 0.27.1 only
-    python gate/sched_matrix.py --scenario all --versions 0.5.6 --vllm 0.33.0
+    python lab/sched_matrix.py --scenario ci --markdown   # 0.27.1 only
+    python lab/sched_matrix.py --scenario all --versions 0.5.6 --vllm 0.33.0
 
 Builds: ``pristine`` (the wheel), ``patched`` (the hybrid-fa patches git tracks),
 ``worktree`` (every ``*.patch`` in the working tree, e.g. a revision in progress).
@@ -169,7 +169,7 @@ def run(version: str, build: str, scenarios: list[str], objects: str,
         env = dict(os.environ, PYTHONPATH=f"{overlay}:{layer}:{REPO}",
                    LMCACHE_DISABLE_BANNER="1")
         args = [a for s in scenarios for a in ("--scenario", s)]
-        proc = subprocess.run([str(python), "-m", "gate.sched_sim", *args,
+        proc = subprocess.run([str(python), "-m", "lab.sched_sim", *args,
                                "--objects", objects, "--version", version, "--build", build,
                                *(extra or []), "--out", str(out)],
                               env=env, capture_output=True, text=True)
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                               text=True).stdout.strip()
         doc = {"schema": SCHEMA,
-               "command": "python gate/sched_matrix.py "
+               "command": "python lab/sched_matrix.py "
                           + " ".join(argv if argv is not None else sys.argv[1:]),
                "scenario_set": ",".join(args.scenario or ["ci"]), "git_head": head,
                "seconds": round(time.monotonic() - started, 1), "cells": cells}

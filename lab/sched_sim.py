@@ -31,7 +31,7 @@ docs/scheduler-sim.md has the definitions and the measured tables.  The rest of
 the connector read (a real ``VllmConfig`` cannot be built on a CPU-only
 machine), with ``VllmConfig``'s own property code for the derived values.
 
-Run with ``PYTHONPATH=<lmcache overlay>:<vllm layer>:verify`` in an LMCache
+Run with ``PYTHONPATH=<lmcache overlay>:<vllm layer>:<repo>`` in an LMCache
 runtime venv (see tests/sched/conftest.py); ``--json`` / ``--markdown``.
 """
 

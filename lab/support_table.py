@@ -26,12 +26,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from packaging.version import Version  # noqa: E402
-
-from patchtool.manifest import list_patch_sets  # noqa: E402
-
-from lab import vllm_cells  # noqa: E402
-
+from packaging.version import Version
+from patchtool.manifest import list_patch_sets
+from lab import vllm_cells
 START = "<!-- support-table:start -->"
 END = "<!-- support-table:end -->"
 

@@ -45,9 +45,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lab import provision  # noqa: E402
-from lab import provision_vllm  # noqa: E402
-from patchtool.upstream import subject_of  # noqa: E402  (the one format-patch subject reader)
+from lab import provision
+from lab import provision_vllm
+from patchtool.upstream import subject_of  # the one format-patch subject reader
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = REPO / "upstream"
@@ -249,7 +249,7 @@ def run(names: list[str] | None = None) -> dict:
 #
 # What each proposal changes, measured with this project's own harnesses on the
 # pristine tree and on the series tree (``--evidence``): the in-process round
-# trip (verify/, gate.ports_roundtrip: the real
+# trip (lab.ports_roundtrip: the real
 # registration edits and transfer module, bytes compared), the CPU restore
 # gate (gate/restore_gate.py: a real server, fs tier, restart) and the
 # scheduler simulation under vLLM's real Scheduler (sched_sim; pure attention

@@ -26,7 +26,7 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-from lab import provision  # noqa: E402  (a sibling script, not a package)
+from lab import provision  # a sibling script, not a package
 
 DEFAULT_SETS = ("hybrid-fa", "engine-driven")
 

@@ -56,14 +56,14 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
-from lab import provision  # noqa: E402
-from gate.l2_tier import RespTier  # noqa: E402
-from lab.redis_proc import RedisServer, RedisStartError, start_redis_server  # noqa: E402
-from gate.xver_outcome import (  # noqa: E402
+from lab import provision
+from gate.l2_tier import RespTier
+from lab.redis_proc import RedisServer, RedisStartError, start_redis_server
+from gate.xver_outcome import (
     ALL_BUILDS, CHUNK_BLOCKS, PRESETS, TIERS, Build, byte_class, expected_outcome, is_upstream, matrix_markdown,
     namespace, predicted_outcome,
 )
-from lab.xver_share import (  # noqa: E402
+from lab.xver_share import (
     FsShare, RedisShare, Share, XverShareError, command_delta, fingerprint_diff, models_of,
 )
 

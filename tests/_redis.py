@@ -1,5 +1,5 @@
 """A real ``redis-server`` for a test: a thin wrapper over
-``gate/redis_proc.py`` (one implementation for the
+``lab/redis_proc.py`` (one implementation for the
 tests and the gates: its own process group, 127.0.0.1, a free port, a
 temporary directory, no persistence, ready when it answers ``PING``).
 
@@ -26,10 +26,9 @@ from typing import Any, Iterator
 import pytest
 
 _REPO = Path(__file__).resolve().parents[1]
-from gate import procs  # noqa: E402
-from lab.redis_proc import RedisServer, start_redis_server  # noqa: E402
-from lab.provision_redis import RedisUnavailable, redis_server  # noqa: E402
-
+from gate import procs
+from lab.redis_proc import RedisServer, start_redis_server
+from lab.provision_redis import RedisUnavailable, redis_server
 free_port = procs.free_port
 
 

@@ -1,4 +1,4 @@
-"""Readers of `gate/resync_sim.py` results, shared by
+"""Readers of `lab/resync_sim.py` results, shared by
 tests/resync and tests/resync_ports, and the part-08 checks both run."""
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-from lab import provision  # noqa: E402
-
+from lab import provision
 SERIES_053 = REPO / "patches" / "hybrid-fa" / "0.5.3"
 
 

@@ -32,7 +32,7 @@ A hit on any chunk is a wrong hit: A never wrote a byte.  Prints one JSON
 object (the last line of stdout); exit 0 when the probe ran, 2 when it
 could not.
 
-    PYTHONPATH=<overlay>:verify <runtime>/bin/python -m gate.ed_abandoned_store_probe \\
+    PYTHONPATH=<overlay>:<repo> <runtime>/bin/python -m lab.probes.ed_abandoned_store_probe \\
         [--preset qwen35-0.8b]
 """
 

@@ -10,7 +10,7 @@ default) runs out.
 
 Run in a runtime venv with the overlay under test first on PYTHONPATH::
 
-    PYTHONPATH=<overlay>:verify <runtime>/bin/python -m gate.ed_lock_probe \\
+    PYTHONPATH=<overlay>:<repo> <runtime>/bin/python -m lab.probes.ed_lock_probe \\
         [--preset qwen35-0.8b] [--transfer-mode engine_driven]
 
 What it does, all through the real ``lmcache server`` (started on 127.0.0.1

@@ -10,7 +10,7 @@ bytes on the message queue, as revision 2 did.
 
 Run in a runtime venv with the worker's overlay first on PYTHONPATH::
 
-    PYTHONPATH=<overlay>:verify <runtime>/bin/python -m gate.ed_staging_probe \\
+    PYTHONPATH=<overlay>:<repo> <runtime>/bin/python -m lab.probes.ed_staging_probe \\
         [--preset qwen35-0.8b] [--rounds 3] [--server-overlay DIR] [--probe-elsewhere]
 
 What it does, through the real ``lmcache server`` (127.0.0.1, the restore

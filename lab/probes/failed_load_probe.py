@@ -37,7 +37,7 @@ StorageManager ("the next restart") prefetches again: a hit on the damaged
 chunk with other bytes than the writer's is the wrong hit this part prevents.
 ``tests/ports/test_failed_load_discard.py`` judges it.
 
-    PYTHONPATH=<overlay>:verify <venv>/bin/python -m gate.failed_load_probe DIR
+    PYTHONPATH=<overlay>:<repo> <venv>/bin/python -m lab.probes.failed_load_probe DIR
 """
 
 from __future__ import annotations

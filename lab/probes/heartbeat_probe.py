@@ -28,7 +28,7 @@ submit), the hit count, whether the server answered (the adapter caches the
 answer in ``_finished_lookup_results``; a skipped or timed-out lookup also
 returns 0 but is never cached), and the seconds it took.
 
-    PYTHONPATH=<overlay>:verify <venv>/bin/python -m gate.heartbeat_probe --out OUT
+    PYTHONPATH=<overlay>:<repo> <venv>/bin/python -m lab.probes.heartbeat_probe --out OUT
 
 Writes one JSON document to OUT (LMCache logs to stdout).
 """

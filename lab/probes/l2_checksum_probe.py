@@ -7,7 +7,7 @@ rewrites each of them (upstream skips a store whose file exists), whether an
 intact object's store is skipped, O_DIRECT, and what creating an
 ``fs_native`` adapter raises.  tests/ports/test_l2_checksum.py judges it.
 
-    PYTHONPATH=<overlay>:verify <venv>/bin/python -m gate.l2_checksum_probe DIR
+    PYTHONPATH=<overlay>:<repo> <venv>/bin/python -m lab.probes.l2_checksum_probe DIR
 """
 
 from __future__ import annotations

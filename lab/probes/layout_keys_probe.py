@@ -1,7 +1,7 @@
 """Probe of the series' layout-namespaced keys (05-layout-keys), run in a
 runtime venv with a patched overlay first on PYTHONPATH::
 
-    PYTHONPATH=<overlay>:verify <runtime>/bin/python -m gate.layout_keys_probe
+    PYTHONPATH=<overlay>:<repo> <runtime>/bin/python -m lab.probes.layout_keys_probe
 
 Prints one JSON object:
 

@@ -2,7 +2,7 @@
 stride (the hybrid-fa series' part padded-block-stride), run in a runtime venv
 with an overlay first on PYTHONPATH::
 
-    PYTHONPATH=<overlay>:verify <runtime>/bin/python -m gate.padded_stride_probe
+    PYTHONPATH=<overlay>:<repo> <runtime>/bin/python -m lab.probes.padded_stride_probe
 
 Prints one JSON object.  Everything it calls is the installed LMCache's own
 code; only the expected bytes are computed here, from the addressing LMCache's

@@ -13,22 +13,20 @@ blocks from scattered ids into other ids; it prints JSON with the restored
 fraction and foreign bytes.  Run in a version's runtime venv with the overlay
 on PYTHONPATH::
 
-    PYTHONPATH=<overlay>:verify <venv>/bin/python -m gate.ports_dcp_probe
+    PYTHONPATH=<overlay>:<repo> <venv>/bin/python -m lab.probes.ports_dcp_probe
 """
 import json
 import time
 
-import torch  # noqa: E402
-from lmcache.utils import EngineType  # noqa: E402
-from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey  # noqa: E402
-from lmcache.v1.multiprocess.group_view import EngineGroupInfo  # noqa: E402
-from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt  # noqa: E402
-
-from gate import ports_compat  # noqa: E402
-
+import torch
+from lmcache.utils import EngineType
+from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+from lmcache.v1.multiprocess.group_view import EngineGroupInfo
+from lmcache.v1.multiprocess.modules import lmcache_driven_transfer as ldt
+from gate import ports_compat
 ports_compat.install()  # the harness's fake server context, adapted to this version
 
-from gate import harness as roundtrip  # noqa: E402  (after install(): 0.5.6 swaps its storage manager in)
+from gate import harness as roundtrip  # after install(): 0.5.6 swaps its storage manager in
 
 
 def main() -> None:

@@ -11,8 +11,8 @@ and reports (JSON on stdout):
   making the cache context report a host segment one slot short (the only
   way to reach that state on CPU, where shapes are consistent by design).
 
-Run as a module in the target interpreter, with ``verify/`` on the path:
-``PYTHONPATH=<site>:verify python -m gate.registration_probe --preset qwen35-0.8b``
+Run as a module in the target interpreter, with the repository root on the path:
+``PYTHONPATH=<site>:<repo> python -m lab.probes.registration_probe --preset qwen35-0.8b``
 """
 
 from __future__ import annotations

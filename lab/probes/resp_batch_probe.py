@@ -10,7 +10,7 @@ native client alone, with no LMCache server: two keys of 100 and 50 bytes,
 set in one batch and in two, then read back one key per batch and two keys
 per batch in both orders.
 
-    PYTHONPATH=<overlay>:verify <venv>/bin/python -m gate.resp_batch_probe \\
+    PYTHONPATH=<overlay>:<repo> <venv>/bin/python -m lab.probes.resp_batch_probe \\
         [--port PORT] [--out OUT]
 
 Without ``--port`` it starts ``redis-server`` (from ``PATH``) on a free port

@@ -17,7 +17,7 @@ probe drives the native client alone, with no LMCache server, against a
 Each operation records whether a completion came back within the timeout, its
 ``ok``, error text and per-key results, and how long it took.
 
-    PYTHONPATH=<overlay>:verify <venv>/bin/python -m gate.resp_fault_probe [--out OUT]
+    PYTHONPATH=<overlay>:<repo> <venv>/bin/python -m lab.probes.resp_fault_probe [--out OUT]
 """
 
 from __future__ import annotations

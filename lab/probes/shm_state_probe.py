@@ -12,9 +12,9 @@ a Mamba/GDN layer slices it into conv/ssm state views of its own
 computes on the shared segment and the state views on the old memory.
 
 Run in an LMCache runtime venv with ``PYTHONPATH = <lmcache overlay>:<vLLM
-0.30+ layer>:verify`` (``lab/provision_vllm.py``)::
+0.30+ layer>:<repo>`` (``lab/provision_vllm.py``)::
 
-    python -m gate.shm_state_probe --out result.json
+    python -m lab.probes.shm_state_probe --out result.json
 
 It starts one ``lmcache server`` (``--supported-transfer-mode lmcache_driven``,
 127.0.0.1), builds two models' KV views with vLLM's own

@@ -2,9 +2,9 @@
 registers, at registration (worker side), for a Qwen3.5-0.8B-like hybrid.
 
 Run in an LMCache runtime venv with ``PYTHONPATH = <lmcache overlay>:<vLLM
-layer>:verify`` (``lab/provision_vllm.py``)::
+layer>:<repo>`` (``lab/provision_vllm.py``)::
 
-    python -m gate.vllm030_registration_probe
+    python -m lab.probes.vllm030_registration_probe
 
 Prints one JSON object (also written to ``--out PATH``: LMCache logs to
 stdout).  Per KV cache layout (vLLM 0.30+: ``LBHNC`` = HND and ``LBNHC`` =

@@ -14,9 +14,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-from lab import provision  # noqa: E402
-from lab import provision_engine  # noqa: E402
-
+from lab import provision
+from lab import provision_engine
 GATE = REPO / "gate" / "engine_gate.py"
 FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
 # a stacked 0.5.6 build: hybrid-fa (its padded-stride part makes the CPU fallback work) +

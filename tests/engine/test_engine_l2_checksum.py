@@ -24,7 +24,7 @@ import pytest
 
 from .conftest import FULL, REPO, STACK, overlay, run_gate
 
-from gate.engine_verdict import compare_outputs  # noqa: E402  (stdlib only)
+from gate.engine_verdict import compare_outputs  # stdlib only
 
 DAMAGE = REPO / "lab" / "engine_l2_damage.py"
 

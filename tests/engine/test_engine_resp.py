@@ -22,9 +22,7 @@ from .conftest import REPO, STACK, overlay, run_gate
 from .test_engine_gate import OTHER_STATE, _passes, _ran_on, full_only
 
 sys.path.insert(0, str(REPO / "tests"))
-from _redis import running_redis  # noqa: E402
-
-
+from _redis import running_redis
 def test_node_b_answers_from_node_a_stores_on_redis(tmp_path, engine_python, hybrid_model):
     with running_redis(tmp_path) as redis:
         rc, result, err = run_gate(engine_python, hybrid_model, tmp_path, "--lengths", "3k", "--no-cold-arm",

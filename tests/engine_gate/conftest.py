@@ -1,4 +1,4 @@
-"""Fixtures for the GPU gate's CPU tests: ``verify/`` (the gate's helper package) on sys.path, stand-in
+"""Fixtures for the engine gate's CPU tests: stand-in
 commands, and a runner for ``gate/engine_gate.py`` as a subprocess."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PROBE = ["-m", "gate.registration_probe"]  # verify/ on PYTHONPATH
+PROBE = ["-m", "lab.probes.registration_probe"]  # the repository root on PYTHONPATH (tests/conftest.py)
 
 
 def probe(python: Path, overlay: Path, *args: str) -> dict:

@@ -28,7 +28,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 GATE = REPO / "gate" / "restore_gate.py"
 
-from gate import restore_plan, restore_server  # noqa: E402  (stdlib only: no torch)
+from gate import restore_plan, restore_server  # stdlib only: no torch
 
 SUBPAGED = ["qwen35-0.8b", "gdn-27b", "pure-attn-bs128"]
 # One server pair takes ~25-45 s on an idle 2-CPU box (two server boots of ~8 s

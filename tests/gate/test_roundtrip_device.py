@@ -27,9 +27,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "gate" / "roundtrip.py"
 
-from gate import harness_cuda as hc  # noqa: E402
-
-
+from gate import harness_cuda as hc
 # -- fakes --------------------------------------------------------------------------------
 
 def _mod(**flags):

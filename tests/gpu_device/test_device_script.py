@@ -24,9 +24,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-from lab import prepare_carry as pc  # noqa: E402
-
-
+from lab import prepare_carry as pc
 def _row(name: str, data: bytes) -> str:
     return f"{name},sha256={urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}"
 

@@ -1,4 +1,4 @@
-"""Run the ports round-trip harness (``gate.ports_roundtrip``)
+"""Run the ports round-trip harness (``lab.ports_roundtrip``)
 in a version's runtime venv over its pristine or patched overlay: the one
 runner the ports tests share."""
 
@@ -12,9 +12,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-from lab import provision  # noqa: E402
-
-
+from lab import provision
 def series(version: str) -> list[Path]:
     return sorted((REPO / "patches" / "hybrid-fa" / version).glob("*.patch"))
 
@@ -30,7 +28,7 @@ def ports_harness(version: str, patched: bool, cells: tuple[str, ...], options: 
     if patches is None:
         patches = series(version) if patched else None
     overlay = provision.overlay(version, patches or None)
-    args = [str(venv / "bin" / "python"), "-m", "gate.ports_roundtrip",
+    args = [str(venv / "bin" / "python"), "-m", "lab.ports_roundtrip",
             "--json", *options]
     for cell in cells:
         args += ["--cell", cell]

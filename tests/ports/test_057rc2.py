@@ -31,9 +31,8 @@ from .harness_run import REPO, ports_harness, provision
 from .test_engine_driven_gate import STACKED, _overlay as stacked_gate_overlay
 
 sys.path.insert(0, str(REPO / "tests" / "gate"))
-from test_restore_gate import by_preset, run_gate  # noqa: E402
-
-from gate import geometry  # noqa: E402  (stdlib only)
+from test_restore_gate import by_preset, run_gate
+from gate import geometry  # stdlib only
 
 FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
 VERSION = "0.5.7rc2"

@@ -24,8 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 from lab import provision
-from gate import geometry  # noqa: E402
-
+from gate import geometry
 # (sw_size_tokens of the GDN group, recurrent_state of the GDN group; None = no such field)
 EXPECTED = {"0.5.3": (-1, None), "0.5.4": (544, None), "0.5.5": (544, True), "0.5.6": (544, True)}
 

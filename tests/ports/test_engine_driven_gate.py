@@ -42,8 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "gate"))
 
 from lab import provision
-from test_restore_gate import assert_clean_pass, by_preset, run_gate  # noqa: E402
-
+from test_restore_gate import assert_clean_pass, by_preset, run_gate
 VERSIONS = ["0.5.3", "0.5.4", "0.5.5", "0.5.6"]
 HYBRIDS = ["qwen35-0.8b", "gdn-27b", "control-k1"]
 ALL_PRESETS = [*HYBRIDS, "pure-attn-bs128", "pure-attn-k1"]
@@ -216,7 +215,7 @@ def _l2_digests(report: dict, preset: str) -> dict[str, str]:
     import hashlib
 
     from gate.tier_objects import has_trailer, kv_bytes  # noqa: PLC0415
-    from gate.restore_server import l2_objects  # noqa: PLC0415  (verify/ is on sys.path)
+    from gate.restore_server import l2_objects  # noqa: PLC0415 - only this test reads the server's objects
 
     (p,) = [x for x in report["presets"] if x["preset"] == preset]
     model = p["model_name"]

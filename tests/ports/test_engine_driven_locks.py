@@ -5,7 +5,7 @@ The pristine engine-driven retrieve reads and releases object group 0's keys
 only.  With a hybrid registered engine-driven (several object groups: the GDN
 state and the attention objects), the LOOKUP read-locks every group's keys, so
 a retrieve that releases group 0 only pins groups 1..N in L1 until the
-read-lock TTL (300 s).  ``gate.ed_lock_probe`` stores
+read-lock TTL (300 s).  ``lab.probes.ed_lock_probe`` stores
 qwen35-0.8b (k = 17) through the real server in engine-driven mode, looks it
 up, retrieves it, ends the session and reports, through the server's own
 ``GET /status`` and a non-forced ``DELETE /cache/objects`` (tier l1) per
@@ -46,7 +46,7 @@ def stacked_patches(version: str = VERSION) -> list[Path]:
 def run_probe(overlay: Path, preset: str = PRESET, timeout: float = 120, version: str = VERSION) -> dict:
     python = provision.runtime_env(version) / "bin" / "python"
     env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", NO_COLOR="1")
-    proc = subprocess.run([str(python), "-m", "gate.ed_lock_probe", "--preset", preset],
+    proc = subprocess.run([str(python), "-m", "lab.probes.ed_lock_probe", "--preset", preset],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=str(REPO))
     lines = proc.stdout.strip().splitlines()
     assert lines, f"the probe printed nothing (rc {proc.returncode})\n{proc.stderr[-3000:]}"

@@ -1,5 +1,5 @@
 """Engine-driven staging regions (revision 3 of the set; EXPLAINER 10.6), through
-the real server: ``gate.ed_staging_probe`` registers a CPU
+the real server: ``lab.probes.ed_staging_probe`` registers a CPU
 worker engine-driven, then stores and retrieves qwen35-0.8b (k = 17, two object
 groups) three times, checking every restored byte, and lists the staging names
 in /dev/shm after every STORE and RETRIEVE.
@@ -111,7 +111,7 @@ def _series_at_revision2(version: str, shas: dict[str, str], tmp_dir: Path) -> l
 def run_probe(version: str, worker: Path, *options: str, timeout: float = 240) -> dict:
     python = provision.runtime_env(version) / "bin" / "python"
     env = dict(os.environ, PYTHONPATH=f"{worker}:{REPO}", NO_COLOR="1")
-    proc = subprocess.run([str(python), "-m", "gate.ed_staging_probe", *options],
+    proc = subprocess.run([str(python), "-m", "lab.probes.ed_staging_probe", *options],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=str(REPO))
     lines = proc.stdout.strip().splitlines()
     assert lines, f"the probe printed nothing (rc {proc.returncode})\n{proc.stderr[-3000:]}"

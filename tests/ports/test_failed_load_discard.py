@@ -1,6 +1,6 @@
 """A failed L2 load vanishes (part 18-failed-load-discard on 0.5.3-0.5.5).
 
-``gate.failed_load_probe`` runs LMCache's real
+``lab.probes.failed_load_probe`` runs LMCache's real
 StorageManager (L1, store controller, prefetch controller, the ``fs`` L2
 adapter) in a version's runtime venv: a writer stores three chunks, chunk 1's
 object is damaged on disk (a flipped byte the checksum rejects, or a cut file
@@ -38,7 +38,7 @@ from .harness_run import REPO, provision, series
 VERSIONS = ("0.5.3", "0.5.4", "0.5.5")
 FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
 CASES = [(v, d) for v in VERSIONS for d in ("flip", "cut") if FULL or d == "flip" or v == "0.5.4"]
-PROBE = "gate.failed_load_probe"
+PROBE = "lab.probes.failed_load_probe"
 # 0.5.5's default prefetch policy keeps no loaded object in L1 (each is
 # reserved temporary, and a temporary one's finish_write tells no listener);
 # 'retain' keeps them, as 0.5.3 and 0.5.4 always do, and so reaches the race.

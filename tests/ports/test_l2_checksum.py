@@ -65,7 +65,7 @@ import pytest
 from .harness_run import REPO, provision
 from .tier_damage import assert_outcomes, assert_refusals_logged, damage_copies, remove_work
 
-from gate import tier_objects as tier  # noqa: E402  (stdlib only)
+from gate import tier_objects as tier  # stdlib only
 
 GATE = REPO / "gate" / "restore_gate.py"
 VERSIONS = ["0.5.3", "0.5.4", "0.5.5", "0.5.6"] if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" \
@@ -186,7 +186,7 @@ def test_damaged_objects_are_misses_and_intact_ones_hit(version: str, tmp_path: 
 def test_adapter_heals_rewrites_and_refuses_fs_native(version: str, tmp_path: Path) -> None:
     python, env = _env(version)
     env["PYTHONPATH"] += f":{REPO}"
-    proc = subprocess.run([str(python), "-m", "gate.l2_checksum_probe", str(tmp_path)],
+    proc = subprocess.run([str(python), "-m", "lab.probes.l2_checksum_probe", str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(proc.stdout)

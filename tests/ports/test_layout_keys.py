@@ -1,7 +1,7 @@
 """Layout-namespaced disk-tier keys (05-layout-keys).
 
 * The namespace function, run from each patched series in its runtime venv
-  (``gate.layout_keys_probe``): the same value on every
+  (``lab.probes.layout_keys_probe``): the same value on every
   run and every version for the same inputs, pinned here as literal digests
   (so a change of the canonical description, on any machine, fails); a
   different value when any byte-deciding input changes; "" for k = 1 groups
@@ -73,7 +73,7 @@ def probe(version: str) -> dict:
     overlay = provision.overlay(version, series(version))
     env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}")
     proc = subprocess.run([str(venv / "bin" / "python"), "-m",
-                           "gate.layout_keys_probe"],
+                           "lab.probes.layout_keys_probe"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

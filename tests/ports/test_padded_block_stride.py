@@ -55,8 +55,7 @@ import pytest
 from .harness_run import REPO, ports_harness, provision, series
 
 sys.path.insert(0, str(REPO / "tests" / "gate"))
-from test_restore_gate import assert_clean_pass, by_preset, run_gate  # noqa: E402
-
+from test_restore_gate import assert_clean_pass, by_preset, run_gate
 FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
 VERSIONS = ("0.5.5", "0.5.6")
 PART = "09-padded-block-stride"
@@ -79,7 +78,7 @@ def probe(version: str, patched: bool) -> dict:
     venv = provision.runtime_env(version)
     overlay = provision.overlay(version, series(version) if patched else None)
     env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}")
-    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "gate.padded_stride_probe"],
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "lab.probes.padded_stride_probe"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)

@@ -2,7 +2,7 @@
 
 Per version, in that version's runtime venv with a wheel overlay on
 PYTHONPATH (``provision.overlay``), the real ``LMCacheDrivenTransferModule``
-round-trips KV through ``gate.ports_roundtrip`` (the harness
+round-trips KV through ``lab.ports_roundtrip`` (the harness
 of ``gate/roundtrip.py`` plus the 0.5.4+ shims and the version's own connector-side registration edits):
 
 * the series applies to the real wheel with zero fuzz;
@@ -29,10 +29,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-from lab import provision  # noqa: E402
-
-from .harness_run import ports_harness, series  # noqa: E402
-
+from lab import provision
+from .harness_run import ports_harness, series
 VERSIONS = ("0.5.4", "0.5.5", "0.5.6")
 SUB_PAGED = ("qwen35-0.8b", "gdn-27b", "pure-attn-bs128")
 HYBRID_SUB_PAGED = ("qwen35-0.8b", "gdn-27b")
@@ -254,7 +252,7 @@ def test_dcp_group_is_not_sub_paged(version):
     results = {}
     for patched in (False, True):
         overlay = provision.overlay(version, _series(version) if patched else None)
-        proc = subprocess.run([str(venv / "bin" / "python"), "-m", "gate.ports_dcp_probe"],
+        proc = subprocess.run([str(venv / "bin" / "python"), "-m", "lab.probes.ports_dcp_probe"],
                               capture_output=True, text=True, timeout=600,
                               env=dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}"))
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -57,8 +57,7 @@ from .harness_run import REPO, provision
 from .tier_damage import assert_outcomes, assert_refusals_logged, damage_copies, remove_work
 
 sys.path.insert(0, str(REPO / "tests"))
-from _redis import RedisProc, running_redis  # noqa: E402
-
+from _redis import RedisProc, running_redis
 GATE = REPO / "gate" / "restore_gate.py"
 FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
 VERSIONS = ["0.5.3", "0.5.4", "0.5.5", "0.5.6"] if FULL else ["0.5.3", "0.5.6"]

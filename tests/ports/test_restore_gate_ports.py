@@ -23,8 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "gate"))
 
 from lab import provision
-from test_restore_gate import assert_silent_corruption, by_preset, run_gate  # noqa: E402
-
+from test_restore_gate import assert_silent_corruption, by_preset, run_gate
 # CI: the first and last ported release (keeps the cold run under 50 min);
 # LMCACHE_PATCHTOOL_FULL=1 adds 0.5.5 (and the engine-driven evidence runs it).
 VERSIONS = ["0.5.4", "0.5.5", "0.5.6"] if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" \

@@ -15,7 +15,7 @@ LOOKUP during the outage times out, the event stays cleared because nothing
 pings, and every lookup is skipped until vLLM restarts.  The part tests the
 dict's contents instead (0.5.6 upstream initialises it to None: no part).
 
-``gate.heartbeat_probe`` (runtime venv, the overlay, no
+``lab.probes.heartbeat_probe`` (runtime venv, the overlay, no
 vLLM: the adapter module does not import it) builds the adapter as vLLM does
 (``restore_client.Client``, heartbeat interval 1 s, mq_timeout 3 s), looks up,
 SIGKILLs the server, looks up during the outage, restarts the server on the
@@ -82,7 +82,7 @@ def heartbeat_probe(version: str, patched: bool, tmp: Path, *, patches: list[Pat
     overlay = provision.overlay(version, patches)
     out = tmp / f"heartbeat-{version}-{'patched' if patched else 'pristine'}-{outage}.json"
     env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", LMCACHE_DISABLE_BANNER="1")
-    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "gate.heartbeat_probe",
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "lab.probes.heartbeat_probe",
                            "--out", str(out), "--interval", str(INTERVAL), "--mq-timeout", str(mq_timeout),
                            "--wait-intervals", str(WAIT_INTERVALS), "--outage-lookup", outage],
                           capture_output=True, text=True, env=env, timeout=300)

@@ -55,8 +55,7 @@ from .test_padded_block_stride import (SHM_ENGINE_DRIVEN, TIGHT_CELLS, TIGHT_CEL
                                        assert_cells_pass, objects_and_keys, probe, v030_cells)
 
 sys.path.insert(0, str(REPO / "tests" / "gate"))
-from test_restore_gate import run_gate  # noqa: E402
-
+from test_restore_gate import run_gate
 FULL = os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1"
 VERSIONS = ("0.5.3", "0.5.4") if FULL else ("0.5.4",)
 OURS = ("09-", "10-", "11-")  # the parts revision 4 adds for vLLM 0.30+ and local hits

@@ -1,7 +1,7 @@
 """Fixtures for the block-id resync tests (LMCache 0.5.3): vLLM layers built
 and cached by lab/provision_vllm.py (0.27.1, and 0.33.0 whose
 SchedulerOutput carries ``kv_connector_block_state``), and a runner for
-gate/resync_sim.py against pristine or patched
+lab/resync_sim.py against pristine or patched
 lmcache 0.5.3.
 
 Builds: ``pristine`` (the wheel), ``patched`` (the resync parts of the series,
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 SERIES = REPO / "patches" / "hybrid-fa" / "0.5.3"
 PATCH_03 = SERIES / "03-block-id-resync.patch"
 PATCH_08 = SERIES / "08-block-state-from-vllm.patch"
-SIM = ["-m", "gate.resync_sim"]  # verify/ on PYTHONPATH
+SIM = ["-m", "lab.resync_sim"]  # the repository root on PYTHONPATH (tests/conftest.py)
 
 
 @pytest.fixture(scope="session")

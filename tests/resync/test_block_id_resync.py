@@ -3,7 +3,7 @@ tracked block ids vs vLLM's real scheduler-side lists (BlockPool + MambaManager
 align/spec + FA), on vLLM 0.27.1 (part 03 reconstructs the lists) and 0.33.0
 (part 08 takes them from ``SchedulerOutput.kv_connector_block_state``).
 
-gate/resync_sim.py drives the real vLLM KVCacheManager
+lab/resync_sim.py drives the real vLLM KVCacheManager
 and the real LMCacheMPConnector (scheduler role); see its docstring for what is emulated.
 """
 
@@ -21,13 +21,11 @@ PATCH_08 = SERIES / "08-block-state-from-vllm.patch"
 pytestmark = pytest.mark.slow
 
 
-from _resync_results import HYBRID, VLLM_BLOCK_STATE, VLLM_OLD, VLLMS  # noqa: E402
-from _resync_results import bad_stores as _bad_stores  # noqa: E402
-from _resync_results import check_block_state  # noqa: E402
-from _resync_results import divergent_steps as _divergent_steps  # noqa: E402
-from _resync_results import events as _events  # noqa: E402
-
-
+from _resync_results import HYBRID, VLLM_BLOCK_STATE, VLLM_OLD, VLLMS
+from _resync_results import bad_stores as _bad_stores
+from _resync_results import check_block_state
+from _resync_results import divergent_steps as _divergent_steps
+from _resync_results import events as _events
 def test_patch_is_connector_only_and_applies_with_zero_fuzz(resync_overlays):
     # provision.overlay applied them with `patch -p1 -F0`; check the target.
     for patch in (PATCH_03, PATCH_08):

@@ -2,7 +2,7 @@
 0.5.5, 0.5.6): per version, the vLLM layers (0.27.1 and 0.33.0) built against
 that version's runtime env (lab/provision_vllm.py), pristine, patched and
 revision-2 overlays, and ONE batch run of
-gate/resync_sim.py per (version, build, vLLM) that
+lab/resync_sim.py per (version, build, vLLM) that
 yields every scenario and the DCP construction probe (one import of vLLM and
 lmcache per run keeps CI cost at ~10 s a run).  Patched runs also carry part
 08's agreement check (``--check``) and the fault scenarios of
@@ -21,7 +21,7 @@ from lab import provision  # made importable by tests/conftest.py
 from _resync_results import FAULT_SCENARIOS
 
 REPO = Path(__file__).resolve().parents[2]
-SIM = ["-m", "gate.resync_sim"]  # verify/ on PYTHONPATH
+SIM = ["-m", "lab.resync_sim"]  # the repository root on PYTHONPATH (tests/conftest.py)
 SCENARIOS = ("hybrid", "hybrid-c1", "plain", "plain-spec")
 CONSTRUCT_DCP = (1, 2)  # test_resync_ports.CONSTRUCT_DCP must match
 

@@ -4,7 +4,7 @@ connector vs vLLM's real scheduler-side block lists (BlockPool + MambaManager
 align/spec + FA), on vLLM 0.27.1 and 0.33.0.
 
 One parametrized test per (version, vLLM) runs every check on one pristine and
-one patched batch run of gate/resync_sim.py (see its
+one patched batch run of lab/resync_sim.py (see its
 docstring for what is real and what is emulated); the checks are those of
 tests/resync (0.5.3).  ``test_block_state_port`` runs part 08's checks
 (``_resync_results.check_block_state``).
@@ -30,13 +30,11 @@ CONNECTOR = "lmcache/integration/vllm/lmcache_mp_connector.py"
 METADATA = "lmcache/integration/vllm/lmcache_mp_metadata.py"
 
 
-from _resync_results import VLLM_BLOCK_STATE, VLLM_OLD, VLLMS  # noqa: E402
-from _resync_results import bad_stores as _bad_stores  # noqa: E402
-from _resync_results import check_block_state  # noqa: E402
-from _resync_results import divergent_steps as _divergent_steps  # noqa: E402
-from _resync_results import events as _events  # noqa: E402
-
-
+from _resync_results import VLLM_BLOCK_STATE, VLLM_OLD, VLLMS
+from _resync_results import bad_stores as _bad_stores
+from _resync_results import check_block_state
+from _resync_results import divergent_steps as _divergent_steps
+from _resync_results import events as _events
 def series(version: str) -> list[Path]:
     return sorted((REPO / "patches" / "hybrid-fa" / version).glob("*.patch"))
 

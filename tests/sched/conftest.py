@@ -1,6 +1,6 @@
 """Fixtures for the scheduler-faithful simulation:
-``gate/sched_sim.py`` run in an LMCache version's
-runtime venv with ``PYTHONPATH = <lmcache overlay>:<vLLM X layer>:verify`` (X =
+``lab/sched_sim.py`` run in an LMCache version's
+runtime venv with ``PYTHONPATH = <lmcache overlay>:<vLLM X layer>:<repo>`` (X =
 0.27.1 unless a test asks for another).
 
 One CLI run per (version, build, vLLM) yields every scenario of the set (one import
@@ -28,7 +28,7 @@ import pytest
 from lab import provision  # made importable by tests/conftest.py
 
 REPO = Path(__file__).resolve().parents[2]
-SIM = ["-m", "gate.sched_sim"]  # verify/ on PYTHONPATH
+SIM = ["-m", "lab.sched_sim"]  # the repository root on PYTHONPATH (tests/conftest.py)
 
 
 # file-name prefixes of the parts added after part 03 revision 1 that change

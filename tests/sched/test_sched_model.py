@@ -10,8 +10,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 
-from lab.sched_server import FakeServer, ServerRules  # noqa: E402
-from lab.sched_truth import (  # noqa: E402
+from lab.sched_server import FakeServer, ServerRules
+from lab.sched_truth import (
     NULL_BLOCK, DraftState, StepInput, Truth)
 
 N = 4

@@ -1,6 +1,6 @@
 """Hybrid (Mamba align + FA) caching under vLLM 0.27.1's REAL Scheduler:
 what LMCache stores, whether it is right, and how much of it a second request
-can use.  See gate/sched_sim.py
+can use.  See lab/sched_sim.py
 and docs/scheduler-sim.md for what is real and what is modelled.
 
 CI subset: LMCache 0.5.3 and 0.5.6; builds pristine, r1 (part 03 revision 1:

@@ -13,7 +13,7 @@ scenarios, builds pristine and patched.  ``LMCACHE_PATCHTOOL_VLLM_MATRIX=1``:
 every vLLM of :data:`VLLM_ALL`; with ``LMCACHE_PATCHTOOL_SCHED_FULL=1`` too,
 the wide scenario matrix.  The committed evidence file
 (lab/evidence/sched-vllm-matrix.json) is written by
-``python gate/sched_matrix.py --vllm 0.27.1,0.28.0,0.30.0,0.33.0
+``python lab/sched_matrix.py --vllm 0.27.1,0.28.0,0.30.0,0.33.0
 --json lab/evidence/sched-vllm-matrix.json``.
 """
 

@@ -37,9 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import die, log, serve  # noqa: E402
-
-
+from _common import die, log, serve
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--host", default="localhost")

@@ -49,8 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import chunk_hashes, die, log, post, serve  # noqa: E402
-
+from _common import chunk_hashes, die, log, post, serve
 KEY_RE = re.compile(r"K-[0-9a-f]{24}")
 
 ENGINE_CORE = r"""

@@ -1,7 +1,7 @@
-"""The shipped patch sets and verify scripts are found from an editable
-install and from a built wheel; the wheel ships exactly the part of verify/
-patchtool runs (tests/tool/verify_closure.py), and every shipped script's
-``--help`` works from the installed wheel alone."""
+"""The shipped patch sets and the gate are found from an editable install
+and from a built wheel; the wheel ships the gate folder whole (every file of
+``gate/``, no list) and nothing of the lab, and every gate script's ``--help``
+works from the installed wheel alone."""
 
 from __future__ import annotations
 
@@ -16,15 +16,14 @@ from pathlib import Path
 import pytest
 
 from .helpers import REPO
-from .verify_closure import verify_closure
 
 
 def test_editable_install_finds_checkout(tmp_path):
-    code = "from patchtool import resources; print(resources.patches_root()); print(resources.verify_root())"
+    code = "from patchtool import resources; print(resources.patches_root()); print(resources.gate_root())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=tmp_path, check=True,
                          env={"PATH": "/usr/bin:/bin"}).stdout.split()
-    assert out == [str(REPO / "patches"), str(REPO / "verify")]
+    assert out == [str(REPO / "patches"), str(REPO / "gate")]
 
 
 def _clean_tree(dest: Path) -> Path:
@@ -40,20 +39,17 @@ def _clean_tree(dest: Path) -> Path:
     return dest
 
 
-def _package_data_verify() -> set[str]:
-    tomllib = pytest.importorskip("tomllib")
-    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())
-    listed = cfg["tool"]["setuptools"]["package-data"]["patchtool._data"]
-    return {e.removeprefix("verify/") for e in listed if e.startswith("verify/")}
+def gate_files() -> set[str]:
+    """Every tracked file of gate/, relative to it: what the wheel must ship."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "gate"], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.split()
+    return {f.removeprefix("gate/") for f in out}
 
 
-def test_package_data_lists_exactly_what_patchtool_runs():
-    """Offline and fast: pyproject's explicit verify/ list is the closure of
-    what patchtool launches (a new research file is not listed; a helper a
-    shipped script imports is)."""
-    listed, closure = _package_data_verify(), verify_closure(REPO)
-    assert listed == closure, (f"listed, not run: {sorted(listed - closure)}; "
-                               f"run, not listed: {sorted(closure - listed)}")
+def gate_scripts() -> list[str]:
+    """The gate files a user or patchtool runs by path (they have a main)."""
+    return sorted(f for f in gate_files() if "/" not in f and f.endswith(".py")
+                  and 'if __name__ == "__main__":' in (REPO / "gate" / f).read_text())
 
 
 # Never imported before a shipped script answers --help: the scripts import
@@ -80,24 +76,24 @@ def test_built_wheel_ships_patch_sets(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels),
                     str(src)], check=True)
     whl = next(wheels.glob("lmcache_patchtool-*.whl"))
-    prefix = "patchtool/_data/verify/"
+    prefix = "patchtool/_data/gate/"
     with zipfile.ZipFile(whl) as z:
         names = z.namelist()
     shipped = {n[len(prefix):] for n in names if n.startswith(prefix)}
-    closure = verify_closure(REPO)
-    assert shipped == closure, (f"shipped, not run: {sorted(shipped - closure)}; "
-                                f"run, not shipped: {sorted(closure - shipped)}")
+    # the gate folder whole, from the package declaration alone (no file list)
+    assert shipped == gate_files(), (f"shipped, not in gate/: {sorted(shipped - gate_files())}; "
+                                     f"in gate/, not shipped: {sorted(gate_files() - shipped)}")
     assert {"restore_gate.py", "roundtrip.py", "engine_gate.py", "engine_shim/sitecustomize.py",
-            "lmcache_patchtool_verify/__init__.py", "lmcache_patchtool_verify/procs.py"} <= shipped
+            "__init__.py", "procs.py"} <= shipped
     # patchtool._data is the repository root as a data-only package: nothing
-    # but the patch sets, those verify/ files and the upstream proposals
-    # (status names the parts a release contains) - no stray root-level module.
+    # but the patch sets, the gate and the upstream proposals (status names
+    # the parts a release contains) - no lab, no stray root-level module.
     assert {n.split("/")[2] for n in names if n.startswith("patchtool/_data/")} == \
-        {"patches", "verify", "upstream"}
+        {"patches", "gate", "upstream"}
     shipped_upstream = {n.split("/", 3)[3] for n in names if n.startswith("patchtool/_data/upstream/")}
     assert shipped_upstream == {p.name for p in (REPO / "upstream").glob("0*.patch")} | {"parts.json"}
     assert not [n for n in names if "standins" in n or "prepare_carry" in n or "page_map" in n
-                or n.startswith("tests/") or n.startswith("scripts/")]
+                or n.startswith(("tests/", "lab/", "bench/")) or "/lab/" in n]
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))
@@ -118,23 +114,27 @@ def test_built_wheel_ships_patch_sets(tmp_path):
     assert not [d for d in path if Path(d).resolve().is_relative_to(REPO)
                 and not Path(d).resolve().is_relative_to(deps)], path
     code = ("import patchtool, sys; from patchtool import resources; "
-            "print(patchtool.__file__); print(resources.patches_root()); print(resources.verify_root()); "
+            "print(patchtool.__file__); print(resources.patches_root()); print(resources.gate_root()); "
             "from patchtool import upstream; print(len(upstream.load()))")
     out = subprocess.run([py, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
                          check=True).stdout.split()
     assert out[0].startswith(str(site))
-    patches, verify = Path(out[1]), Path(out[2])
+    patches, gate = Path(out[1]), Path(out[2])
     assert int(out[3]) == len(list((REPO / "upstream").glob("0*.patch")))  # read from the wheel
     assert patches == site / "patchtool" / "_data" / "patches"
     patch_files = sorted(p.relative_to(REPO / "patches") for p in (REPO / "patches").glob("*/*/*.patch"))
     assert sorted(p.relative_to(patches) for p in patches.glob("*/*/*.patch")) == patch_files
-    assert (verify / "lmcache_patchtool_verify" / "geometry.py").is_file()
-    # Every shipped script runs by path from the installed tree: it imports its
-    # helper package from there, and argparse answers before torch is needed.
-    for script in sorted(n for n in shipped if "/" not in n):
-        argv = ["bash" if script.endswith(".sh") else py, str(verify / script), "--help"]
-        r = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=env)
-        assert r.returncode == 0 and r.stdout.startswith(f"usage: {script}"), (script, r.stderr[-2000:])
+    assert gate == site / "patchtool" / "_data" / "gate" and (gate / "geometry.py").is_file()
+    # Every gate script runs by path from the installed tree, as patchtool's
+    # runner starts it (the folder above the gate on PYTHONPATH, so `from gate
+    # import ...` finds the installed helpers), and argparse answers before
+    # torch is needed.
+    scripts = gate_scripts()
+    assert {"restore_gate.py", "roundtrip.py", "engine_gate.py"} <= set(scripts)
+    for script in scripts:
+        r = subprocess.run([py, str(gate / script), "--help"], capture_output=True, text=True,
+                           cwd=tmp_path, env={**env, "PYTHONPATH": str(gate.parent)})
+        assert r.returncode == 0 and r.stdout.startswith("usage: "), (script, r.stderr[-2000:])
     r = subprocess.run([py, "-m", "patchtool", "list", "--json"], capture_output=True, text=True,
                        cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr

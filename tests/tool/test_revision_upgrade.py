@@ -28,8 +28,7 @@ import pytest
 from .helpers import REPO, cli, copy_venv, site_of, tree_hashes
 from .test_lifecycle import SKIP
 
-from lab import provision  # noqa: E402
-
+from lab import provision
 ADDED_BY_05 = ["lmcache/v1/distributed/api.py", "lmcache/v1/multiprocess/engine_context.py",
                "lmcache/v1/multiprocess/modules/lmcache_driven_transfer.py"]
 ADDED_BY_06 = ["lmcache/integration/vllm/lmcache_mp_metadata.py",

@@ -11,9 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-from lab import engine_gate_evidence as ege  # noqa: E402
-
-
+from lab import engine_gate_evidence as ege
 def _arm(tokens: int) -> dict:
     return {"prompt_tokens": tokens + 1, "vllm_delta": {"external_hits": tokens}, "ideal_hits": tokens,
             "external_hit_fraction": 1.0, "max_logprob_delta_vs_warm": 0.0,

@@ -11,8 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-from lab import evidence_merge  # noqa: E402
-
+from lab import evidence_merge
 KEY = ("lmcache", "vllm", "build")
 
 

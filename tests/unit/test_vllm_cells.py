@@ -13,8 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-from lab import vllm_cells  # noqa: E402
-
+from lab import vllm_cells
 LM = "0.5.3"
 OLD, NEW = "0.27.1", "0.33.0"
 

@@ -32,9 +32,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 XVER = REPO / "lab" / "xver_gate.py"
 
-from lab import xver_gate  # noqa: E402  (stdlib + provision + xver_outcome: no torch)
-from gate.xver_outcome import ALL_BUILDS, PRESETS, Build, expected_outcome  # noqa: E402
-from xver_run import run_xver  # noqa: E402  (this folder's helper)
+from lab import xver_gate  # stdlib + provision + xver_outcome: no torch
+from gate.xver_outcome import ALL_BUILDS, PRESETS, Build, expected_outcome
+from xver_run import run_xver  # this folder's helper
 
 FULL = os.environ.get("LMCACHE_PATCHTOOL_XVER_FULL") == "1"
 

@@ -12,9 +12,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-from gate import xver_outcome as xo  # noqa: E402
-from gate.xver_outcome import Build, classify, expected_outcome, predicted_outcome  # noqa: E402
-
+from gate import xver_outcome as xo
+from gate.xver_outcome import Build, classify, expected_outcome, predicted_outcome
 pytestmark = pytest.mark.standalone
 
 P = {v: Build(v, "pristine") for v in xo.VERSIONS}

@@ -39,10 +39,10 @@ from _redis import running_redis
 REPO = Path(__file__).resolve().parents[2]
 XVER = REPO / "lab" / "xver_gate.py"
 
-from lab import xver_gate  # noqa: E402  (stdlib + provision + xver_outcome: no torch)
-from lab.redis_proc import ping  # noqa: E402
-from gate.xver_outcome import ALL_BUILDS, PRESETS, Build, expected_outcome  # noqa: E402
-from xver_run import run_xver  # noqa: E402  (this folder's helper)
+from lab import xver_gate  # stdlib + provision + xver_outcome: no torch
+from lab.redis_proc import ping
+from gate.xver_outcome import ALL_BUILDS, PRESETS, Build, expected_outcome
+from xver_run import run_xver  # this folder's helper
 
 FULL = os.environ.get("LMCACHE_PATCHTOOL_XVER_FULL") == "1"
 
@@ -182,7 +182,7 @@ def test_shared_pristine_reader_misses_its_own_objects_after_a_size_mismatch(tmp
 
 def test_tier_redis_starts_and_stops_a_private_server(tmp_path: Path) -> None:
     """--tier redis without --redis-url: a private redis-server for the run
-    (gate.redis_proc), gone with it."""
+    (lab.redis_proc), gone with it."""
     args = argparse.Namespace(tier="redis", redis_url=None)
     share, server = xver_gate.open_share(args, tmp_path, lambda line: None)
     try:
