@@ -208,13 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()[0]
     keep = args.keep_work or Path(tempfile.mkdtemp(prefix="bench-engine-restore-"))
     keep.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(EVIDENCE), "--scenario", "hybrid-ttft", "--version", args.version,
+    cmd = [sys.executable, "-m", "lab.engine_gate_evidence", "--scenario", "hybrid-ttft", "--version", args.version,
            "--build", "stacked", "--keep-work", str(keep), "--out", str(keep / "cell.json")]
     env = dict(os.environ)
     if args.trace:
         (keep / "trace").mkdir(exist_ok=True)
         env.update(LMCACHE_PATCHTOOL_ENGINE_TRACE=str(TRACE), LMCACHE_PATCHTOOL_TRACE_DIR=str(keep / "trace"))
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     works = sorted(keep.glob("engine-gate-hybrid-ttft-*"), key=lambda p: p.stat().st_mtime)
     if proc.returncode != 0 or not works or not (works[-1] / "result.json").exists():
         print(f"bench-engine-restore: {EVIDENCE.name} failed (exit {proc.returncode}): "

@@ -166,7 +166,7 @@ def _start(version: str, with_part: bool, base: Path, args: argparse.Namespace) 
 
     python = provision.runtime_env(version) / "bin" / "python"
     overlay = provision.overlay(version, _series(Path(args.series_root), version, with_part))
-    env = dict(os.environ, PYTHONPATH=str(overlay), LMCACHE_LOG_LEVEL="WARNING")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", LMCACHE_LOG_LEVEL="WARNING")
     argv = [str(python), __file__, "--worker", str(base), "--sizes", ",".join(map(str, args.sizes)),
             "--chunks", str(args.chunks)] + (["--odirect"] if args.odirect else [])
     return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -188,7 +188,7 @@ def _gate_once(version: str, with_part: bool, args: argparse.Namespace) -> dict[
 
     python = provision.runtime_env(version) / "bin" / "python"
     overlay = provision.overlay(version, _series(Path(args.series_root), version, with_part))
-    env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", NO_COLOR="1")
     proc = subprocess.run([str(python), str(REPO / "gate" / "restore_gate.py"), "--json", "--quiet",
                            "--preset", "qwen35-0.8b", "--chunks", str(args.chunks), "--chunk-blocks", "1",
                            "--no-stay-alive"], capture_output=True, text=True, env=env, cwd=str(REPO))

@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-resp-checksum-") as tmp:
         redis, port, redis_version = _start_redis(Path(tmp))
         try:
-            env = dict(os.environ, PYTHONPATH=str(overlay), LMCACHE_LOG_LEVEL="WARNING",
+            env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", LMCACHE_LOG_LEVEL="WARNING",
                        PYTHONWARNINGS="ignore::FutureWarning")  # google-cloud's Python 3.11 notice
             argv_w = [str(python), __file__, "--worker", str(port), "--server-pid", str(redis.pid),
                       "--chunks", str(args.chunks), "--attn", str(args.attn), "--state", str(args.state),

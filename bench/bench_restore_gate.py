@@ -39,7 +39,7 @@ def environment(version: str, patched: bool) -> tuple[Path, Path]:
 
 
 def run_once(python: Path, overlay: Path, presets: list[str], extra: list[str]) -> tuple[int, dict]:
-    env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", NO_COLOR="1")
     argv = [str(python), str(GATE), "--json", "--quiet", *[a for p in presets for a in ("--preset", p)], *extra]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     try:

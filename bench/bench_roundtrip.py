@@ -39,7 +39,7 @@ TARGET = 1.25
 def _run(python: Path, overlay: Path, cell: str, reps: int, path: str) -> dict:
     # One intra-op thread: both sides run the same torch kernels, and a shared CI
     # box's thread contention otherwise dominates the variance.
-    env = dict(os.environ, PYTHONPATH=str(overlay), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [str(python), str(HARNESS), "--json", "--no-guards", "--no-hashes", "--reps", str(reps + 1),
            "--path", path, "--cell", cell]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=1800)

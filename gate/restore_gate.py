@@ -35,8 +35,13 @@ changed.  Exit code 0 pass, 1 fail, 2 error.  Human progress goes to stderr,
 ``--json`` prints the report on stdout (``--json-out PATH`` writes it).
 
 The server side is ``gate.restore_server``, the client steps
-``restore_steps``, the verdicts ``restore_verdict``; this script plans the server
-pairs, runs the phases and writes the report.
+``restore_steps``, the verdicts ``restore_verdict``; ``Gate`` is layered by
+responsibility: ``restore_lifecycle.ServerLifecycle`` (run state, phase
+timings, server start / SIGKILL / restart), ``restore_cycle.CycleSteps``
+(store, flush, restore and stay-alive steps and their progress lines) and,
+here, the phases that order them; ``restore_display.Display`` prints the
+progress lines.  This script plans the server pairs, runs the phases and
+writes the report.
 """
 
 from __future__ import annotations
@@ -48,12 +53,12 @@ import re
 import sys
 import time
 import traceback
-import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from gate import geometry, procs, tier_objects
+from gate.restore_cycle import CycleSteps
+from gate.restore_display import Display
 from gate.restore_env import quiet_library_output, versions
 from gate.restore_plan import GateError, PresetRun, json_infos, plan_cycles
 from gate.restore_server import (HEALTH_PATH, ServerSpec, await_server, kill_server,
@@ -64,6 +69,17 @@ from gate.restore_verdict import preset_report
 from gate.xver_outcome import preset as gate_preset
 from gate.xver_state import STATE_SCHEMA, expected_digest
 
+# What this module offers by name, the server plumbing it imports included:
+# probes and benches take those from here (bench/bench_engine_driven.py uses
+# rg.launch_server, rg.await_server, rg.ServerSpec, rg.versions,
+# rg.quiet_library_output), as they did before Gate was split into
+# restore_lifecycle / restore_cycle.
+__all__ = ["ALL_PRESETS", "COPY_SEED_STEP", "EXIT_ERROR", "EXIT_FAIL", "EXIT_PASS", "SCHEMA", "STALE_SHM",
+           "TRANSFER_MODES", "Display", "Gate", "GateError", "HEALTH_PATH", "PresetRun", "RespTier",
+           "ServerSpec", "Tier", "await_server", "kill_server", "l2_adapters_status", "launch_server",
+           "listing", "main", "malloc_perturb", "native_get_failures", "object_groups", "parse_args",
+           "quiet_library_output", "server_lmcache_dir", "stale_client_segments", "tier_of", "versions"]
+
 SCHEMA = 1
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 # --preset all: vLLM 0.30+'s GDN view (unpadded row, padded stride) is refused
@@ -72,36 +88,6 @@ ALL_PRESETS = tuple(n for n, g in geometry.PRESETS.items() if g.gdn_view != "0.3
 TRANSFER_MODES = ("lmcache_driven", "engine_driven", "auto")
 # --copies: copy i of a preset uses seed + i * COPY_SEED_STEP (a run also draws seed + 1).
 COPY_SEED_STEP = 100
-
-
-# ---------------------------------------------------------------------------
-# Human display (stderr; plain lines, colour only on a terminal)
-# ---------------------------------------------------------------------------
-
-
-class Display:
-    def __init__(self, stream, quiet: bool = False) -> None:
-        self.stream, self.quiet = stream, quiet
-        self.color = hasattr(stream, "isatty") and stream.isatty() and not os.environ.get("NO_COLOR")
-
-    def _c(self, text: str, code: str) -> str:
-        return f"\x1b[{code}m{text}\x1b[0m" if self.color else text
-
-    def line(self, text: str = "") -> None:
-        if not self.quiet:
-            print(text, file=self.stream, flush=True)
-
-    def head(self, text: str) -> None:
-        self.line(self._c(text, "1"))
-
-    def step(self, text: str, seconds: float | None = None, ok: bool | None = True) -> None:
-        mark = {True: self._c("ok  ", "32"), False: self._c("FAIL", "31;1"), None: "..  "}[ok]
-        took = f"  ({seconds:.2f} s)" if seconds is not None else ""
-        self.line(f"  {mark} {text}{took}")
-
-    def verdict(self, text: str, passed: bool | None) -> None:
-        colour = {True: "32;1", False: "31;1", None: "33;1"}[passed]
-        self.line(self._c(text, colour))
 
 
 # LMCache's CPU clients put their KV caches in POSIX shared memory named
@@ -133,42 +119,14 @@ def native_get_failures(server_log: str) -> dict[str, int]:
 
 # ---------------------------------------------------------------------------
 # The gate: server pairs and phases (the client steps are restore_steps.ClientSteps,
-# the verdicts restore_verdict.preset_report, the server restore_server)
+# the verdicts restore_verdict.preset_report, the server restore_server; the
+# server lifecycle is restore_lifecycle.ServerLifecycle, the store/restore steps
+# restore_cycle.CycleSteps)
 # ---------------------------------------------------------------------------
 
 
-class Gate:
-    def __init__(self, args: argparse.Namespace, display: Display) -> None:
-        self.args, self.d = args, display
-        self.timings: dict[str, float] = {}
-        self.cycles: list[dict[str, Any]] = []
-        self.runs: list[PresetRun] = []
-        self.server_info: dict[str, Any] = {}
-        self.steps: Any = None  # restore_steps.ClientSteps once torch + lmcache are imported
-        self.cleanup_errors: list[Any] = []
-
-    @contextmanager
-    def phase(self, cycle: dict[str, Any], name: str) -> Iterator[None]:
-        t0 = time.monotonic()
-        try:
-            yield
-        finally:
-            dt = time.monotonic() - t0
-            cycle["timings"][name] = round(cycle["timings"].get(name, 0.0) + dt, 4)
-            self.timings[name] = round(self.timings.get(name, 0.0) + dt, 4)
-
-    def _import_client(self) -> None:
-        """torch + lmcache (seconds on a small machine): done while server A boots."""
-        if self.steps is None:
-            # Function-level: the client steps import torch and lmcache, which
-            # `--help` and a server that never starts must not wait for.
-            from gate.restore_steps import ClientSteps  # noqa: PLC0415
-
-            self.steps = ClientSteps(self.args)
-            self.on_imported()
-
-    def on_imported(self) -> None:  # replaced by main() to print the version header
-        pass
+class Gate(CycleSteps):
+    """The phases: --phase both (_cycle), store (_store_cycle), restore (_run_restore_phase)."""
 
     def run(self) -> None:
         args = self.args
@@ -196,159 +154,6 @@ class Gate:
             self.cleanup_errors = sup.cleanup_errors
         if args.phase == "store":
             self._write_state()
-
-    # -- one server pair -----------------------------------------------------
-    def _new_cycle(self, n: int, chunk: int, runs: list[PresetRun]) -> dict[str, Any]:
-        cycle: dict[str, Any] = {"cycle": n, "chunk_size": chunk, "presets": [r.geo.name for r in runs],
-                                 "timings": {}, "servers": []}
-        self.cycles.append(cycle)
-        return cycle
-
-    def _l1_gb(self, runs: list[PresetRun]) -> float:
-        return self.args.l1_size_gb or max(1.0, 2.5 * sum(r.full_object_bytes() * r.chunks for r in runs) / 2**30)
-
-    def _start_server(self, cycle: dict[str, Any], chunk: int, l1_gb: float, tier: Tier, workdir: Path,
-                      label: str, timing: str) -> tuple[procs.ManagedProcess, ServerSpec]:
-        """A server on fresh ports (retried if a port was taken meanwhile)."""
-        with self.phase(cycle, timing):
-            for attempt in range(3):
-                zp, hp = procs.free_ports(2)
-                spec = ServerSpec(zp, hp, chunk, round(l1_gb, 2), Path(tier.describe()), workdir,
-                                  transfer_mode=self.args.transfer_mode, l2_adapter=tier.adapter_json())
-                server = launch_server(self.sup, spec, label)
-                cycle["servers"].append(server.describe())
-                self._import_client()  # torch + lmcache load while the server boots
-                try:
-                    await_server(server, spec, self.args.server_timeout)
-                    break
-                except procs.StartupError as exc:
-                    cycle["servers"][-1] = server.describe()
-                    if attempt == 2 or "address already in use" not in str(exc).lower():
-                        raise GateError(f"server {label} did not start: {exc}") from exc
-        cycle["servers"][-1] = self._server_desc(server, spec, label)
-        self.d.step(f"server {label} up: pid {server.pid}, {spec.zmq_url}, ready by {HEALTH_PATH} on "
-                    f":{spec.http_port}", server.ready_at - server.started_at)
-        return server, spec
-
-    def _store_all(self, cycle: dict[str, Any], runs: list[PresetRun], spec: ServerSpec,
-                   server: procs.ManagedProcess, model_prefix: str) -> None:
-        """Store through a first client per preset."""
-        d = self.d
-        for r in runs:
-            r.model = f"{model_prefix}-{r.geo.name}-{uuid.uuid4().hex[:8]}"
-            with self.phase(cycle, "register_fill"):
-                self._guard(r, "register+fill", lambda r=r: self.steps.prepare_source(r, spec))
-            with self.phase(cycle, "store"):
-                self._guard(r, "store", lambda r=r: self.steps.store(r))
-            self._alive_or_die(server)
-            if not r.error:
-                st = r.result["stored"]
-                d.step(f"{r.geo.name}: stored {st['chunks_ok']}/{r.chunks} chunks "
-                       f"({r.stored_tokens} tokens, {r.blocks_per_chunk} blocks/chunk, k={r.geo.k})",
-                       st["seconds"], st["ok"])
-
-    def _flush(self, cycle: dict[str, Any], runs: list[PresetRun], tier: Tier,
-               server: procs.ManagedProcess) -> None:
-        """Wait until every chunk is a finished object in the L2 tier."""
-        with self.phase(cycle, "flush_to_disk"):
-            t0 = time.monotonic()
-            log = procs.ansi_strip(server.log_text())
-            want = {r.model: r.chunks * object_groups(log, r.model) for r in runs if not r.error}
-
-            def flushed() -> bool:
-                self._alive_or_die(server)
-                return all(len(tier.objects(m)) >= c for m, c in want.items()) and not tier.unfinished()
-
-            try:
-                procs.wait_until(flushed, self.args.step_timeout, poll=0.02, what="every chunk on disk")
-                flushed_ok = True
-            except TimeoutError:
-                flushed_ok = False
-            for r in runs:
-                if not r.error:
-                    r.result["on_disk"] = self._on_disk(r, tier, want[r.model])
-            self.d.step(f"L2 flushed: {sum(len(tier.objects(m)) for m in want)}/{sum(want.values())} "
-                        f"objects in {tier.describe()}", time.monotonic() - t0, flushed_ok)
-
-    @staticmethod
-    def _on_disk(r: PresetRun, tier: Tier, expected: int) -> dict[str, Any]:
-        """What one preset left in the L2 tier: object count and sizes."""
-        objs = tier.objects(r.model)
-        # KV bytes: a patched build's object also holds a 64-byte checksum trailer
-        sizes = sorted({o.kv_len for o in objs})
-        return {"objects": len(objs), "expected": expected, "object_bytes": sizes,
-                "checksum_trailers": sum(o.sealed for o in objs),
-                "full_fidelity_object_bytes": r.full_object_bytes(),
-                "fraction_of_full": (sizes[0] / r.full_object_bytes()) if sizes else None,
-                "model_fields": listing(objs)}
-
-    def _kill(self, cycle: dict[str, Any], server: procs.ManagedProcess, label: str) -> dict[str, Any]:
-        with self.phase(cycle, "kill"):
-            t_kill = time.monotonic()
-            kill = kill_server(server)
-        cycle["servers"][-1]["kill"] = kill
-        self.d.step(f"server {label} SIGKILLed: reaped (rc {kill['returncode']}), group gone, "
-                    f"L1 segment {'removed' if kill['l1_shm_left_by_kill'] else 'not left'}",
-                    time.monotonic() - t_kill, kill["group_gone"] and kill["l1_shm_removed"])
-        return kill
-
-    def _restart(self, cycle: dict[str, Any], spec: ServerSpec, t_kill: float
-                 ) -> tuple[procs.ManagedProcess, ServerSpec, float]:
-        """Server B on the same ports and L2 directory (a Redis tier: another node,
-        on other ports, over the same Redis); the restart window since the kill."""
-        args = self.args
-        if args.redis_url:
-            zp, hp = procs.free_ports(2)
-            spec = ServerSpec(zp, hp, spec.chunk_size, spec.l1_size_gb, spec.l2_dir, spec.workdir,
-                              transfer_mode=spec.transfer_mode, l2_adapter=spec.l2_adapter)
-        with self.phase(cycle, "server_start_2"):
-            server = launch_server(self.sup, spec, "B", pythonpath=args.restart_pythonpath)
-            cycle["servers"].append(server.describe())
-            try:
-                await_server(server, spec, args.server_timeout)
-            except procs.StartupError as exc:
-                cycle["servers"][-1] = server.describe()
-                raise GateError(f"server B did not start: {exc}") from exc
-        restart_window = time.monotonic() - t_kill
-        cycle["restart_window_s"] = round(restart_window, 3)
-        cycle["servers"][-1] = self._server_desc(server, spec, "B")
-        other = cycle["servers"][-1]["lmcache_dir"] if args.restart_pythonpath else None
-        where = (f"another node ({spec.zmq_url}) over {args.redis_url}" if args.redis_url
-                 else "the same ports and L2 dir")
-        self.d.step(f"server B up on {where}: pid {server.pid} "
-                    f"(restart window {restart_window:.1f} s)" + (f", lmcache from {other}" if other else ""),
-                    server.ready_at - server.started_at)
-        return server, spec, restart_window
-
-    def _restore_all(self, cycle: dict[str, Any], runs: list[PresetRun], spec: ServerSpec,
-                     server: procs.ManagedProcess) -> None:
-        """Fresh client per preset: look up, prefetch from L2, retrieve elsewhere, compare."""
-        for r in runs:
-            if r.error:
-                continue
-            with self.phase(cycle, "restore"):
-                self._guard(r, "restore", lambda r=r: self.steps.restore(r, spec, server))
-            self._alive_or_die(server)
-            if not r.error:
-                self._print_restore(r)
-
-    def _stay_alive_arm(self, cycle: dict[str, Any], runs: list[PresetRun], server: procs.ManagedProcess,
-                        restart_window: float) -> None:
-        """Optional: the first client, alive all along like a running vLLM (never the verdict)."""
-        for r in runs:
-            if r.client1 is None:
-                continue
-            with self.phase(cycle, "stay_alive"):
-                if self.args.stay_alive and not r.error:
-                    try:
-                        r.result["stay_alive"] = self.steps.stay_alive(r, server, restart_window)
-                    except Exception as exc:  # noqa: BLE001 - optional arm, never the verdict
-                        r.result["stay_alive"] = {"ran": False, "error": f"{type(exc).__name__}: {exc}"}
-                    sa = r.result["stay_alive"]
-                    self.d.step(f"{r.geo.name}: stay-alive worker: {sa.get('summary', sa.get('error'))}",
-                                None, None)
-                r.client1.close(graceful=server.alive())
-                r.client1 = None
 
     def _cycle(self, n: int, chunk: int, runs: list[PresetRun]) -> None:
         """--phase both: store, flush, hard kill, restart, restore."""
@@ -393,15 +198,6 @@ class Gate:
         self._flush(cycle, runs, tier, server)
         self._close_first_clients(runs)
         self._kill(cycle, server, "W")
-
-    @staticmethod
-    def _close_first_clients(runs: list[PresetRun]) -> None:
-        """Close the storing clients while their server is up: closing one whose
-        server is gone hangs in the adapter's shutdown.  Every chunk is stored."""
-        for r in runs:
-            if r.client1 is not None:
-                r.client1.close(graceful=True)
-                r.client1 = None
 
     def _write_state(self) -> None:
         """The state file a reader phase needs to restore and judge these stores."""
@@ -467,54 +263,6 @@ class Gate:
                 with self.phase(cycle, "shutdown"):
                     cycle["servers"][-1]["kill"] = kill_server(server)
             self.cleanup_errors = sup.cleanup_errors
-
-    # -- helpers ---------------------------------------------------------------
-    def _server_desc(self, proc: procs.ManagedProcess, spec: ServerSpec, label: str) -> dict[str, Any]:
-        desc = proc.describe()
-        desc.update(label=label, zmq_url=spec.zmq_url, health_url=spec.health_url, l2_dir=str(spec.l2_dir),
-                    readiness_seconds=round(proc.ready_at - proc.started_at, 3),
-                    lmcache_dir=server_lmcache_dir(proc.pid))
-        if not self.server_info:
-            self.server_info = {"argv": list(proc.argv),
-                                "readiness": f"GET {HEALTH_PATH} -> 200 {{\"status\": \"healthy\"}}",
-                                "lmcache_dir": desc["lmcache_dir"]}
-        return desc
-
-    def _alive_or_die(self, server: procs.ManagedProcess) -> None:
-        if not server.alive():
-            raise GateError(f"{server.name} died (returncode {server.returncode})\n--- last lines of "
-                            f"{server.log_path} ---\n{server.log_tail()}")
-
-    def _guard(self, r: PresetRun, what: str, fn) -> None:
-        if r.error:
-            return
-        try:
-            fn()
-        except GateError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - recorded as this preset's error
-            r.error = f"{what}: {type(exc).__name__}: {exc}"
-            r.result["traceback"] = traceback.format_exc()
-            self.d.step(f"{r.geo.name}: ERROR during {what}: {type(exc).__name__}: {exc}", None, False)
-
-    def _print_restore(self, r: PresetRun) -> None:
-        res, d = r.result, self.d
-        ar, rs = res["after_restart"], res["restored"]
-        d.step(f"{r.geo.name}: found {ar['chunks_found']}/{r.chunks} chunks after restart "
-               f"(server: {ar['l1_hits']} from L1, {ar['l2_hits']} from L2)", ar["lookup_seconds"],
-               ar["chunks_found"] == r.chunks and ar["l2_hits"] > 0)
-        fa, gdn = res["fidelity"]["fa"], res["fidelity"]["gdn"]
-        parts = []
-        if fa:
-            parts.append(f"FA pages exact {fa['pages_exact']}/{fa['pages_total']}")
-        if gdn:
-            nr = gdn.get("blocks_not_restored_by_design")
-            parts.append(f"GDN blocks exact {gdn['blocks_exact']}/{gdn['blocks_total']}"
-                         + (f" (chunk-end slots; {nr} non-end slots not stored by design)" if nr else ""))
-        fw = res["foreign_writes"]
-        d.step(f"{r.geo.name}: restored into other blocks: {rs['chunks_restored_exact']}/{r.chunks} chunks exact; "
-               + ", ".join(parts) + f"; foreign bytes changed {fw['bytes']}", rs["seconds"],
-               rs["chunks_restored_exact"] == r.chunks and fw["bytes"] == 0)
 
     def preset_report(self, r: PresetRun) -> dict[str, Any]:
         return preset_report(r, self.args.phase, self.args.transfer_mode)

@@ -51,7 +51,7 @@ from lab.vllm_cells import bytes_sha256 as series_sha  # the fingerprint the sup
 
 OUT = REPO / "lab" / "evidence" / "engine-gate.json"
 SCHEMA = 1
-GATE = REPO / "verify" / "engine_gate.py"
+GATE = REPO / "gate" / "engine_gate.py"
 DAMAGE = REPO / "lab" / "engine_l2_damage.py"
 STACK = ("hybrid-fa", "engine-driven")
 BUILDS = {"pristine": (), "hybrid-fa": ("hybrid-fa",), "stacked": STACK}
@@ -330,8 +330,10 @@ def run(name: str, lengths: str, python: Path, keep: Path | None, version: str |
     _log(f"{name}: {spec['what']} (work {work})")
     t0 = time.monotonic()
     with open(work / "gate.log", "w") as log:  # two runs at once: each its own log
+        # the gate, run by path, imports its helpers from the root (as patchtool's runner starts it)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         proc = subprocess.run([str(python), str(GATE), *args, "--work-dir", str(work / "run"), "--out", str(out)],
-                              stdout=subprocess.DEVNULL, stderr=log)
+                              stdout=subprocess.DEVNULL, stderr=log, env=env)
     seconds = time.monotonic() - t0
     result = json.loads(out.read_text()) if out.exists() else {}
     cell = summarise(name, spec, result, proc.returncode, seconds)

@@ -112,7 +112,7 @@ def gate_report(version: str, overlay: Path, presets: list[str], *extra: str,
             "--quiet", *extra]
     for p in presets:
         argv += ["--preset", p]
-    env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", NO_COLOR="1")
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600,
                           cwd=str(REPO))
     try:

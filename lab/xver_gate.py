@@ -170,7 +170,7 @@ STALE_SHM = "stale shared-memory segments named for pid"
 def _run_phase(build: Build, args: list[str], log: Path, timeout: float) -> dict[str, Any]:
     py, ov = build_env(build)
     report = log.with_suffix(".json")
-    env = dict(os.environ, PYTHONPATH=str(ov), NO_COLOR="1")
+    env = dict(os.environ, PYTHONPATH=f"{ov}:{REPO}", NO_COLOR="1")
     argv = [str(py), str(GATE), *args, "--json-out", str(report)]
     with open(log, "w") as fh:
         proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=fh, env=env, cwd=str(REPO), timeout=timeout)

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from packaging.requirements import InvalidRequirement, Requirement
 
 from . import resources, runner, wheelbuild
-from . import verify_checks as vc
+from . import checks as vc
 from .classify import classify
 from .distinfo import DIST, canonical_name
 from .errors import Refusal
@@ -307,7 +307,7 @@ class _Phases:
                                                     matrix=g.roundtrip_matrix))
 
     def check(self, name: str) -> Callable[[Phase], None]:
-        """A registered restore check (verify_checks) as a phase."""
+        """A registered restore check (checks.py) as a phase."""
         def run(ph: Phase) -> None:
             assert self.vctx is not None
             c = vc.REGISTRY[name](self.vctx)

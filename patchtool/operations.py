@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from . import resources, runner
-from . import verify_checks as vc
+from . import checks as vc
 from .classify import Assessment, Status, assess, classify, disk_tier_note, patch_set_key, recorded_sets
 from .errors import Refusal, WriteRefusal
 from .exitcodes import ExitCode
@@ -223,7 +223,7 @@ class VerifyRequest:
 
 
 def verify(where: Where, req: VerifyRequest) -> vc.VerifyResult:
-    extra = _verify_checks(where, req)
+    extra = _extra_checks(where, req)
     with session(where, writes=False) as s:
         disc, pset = s.discovery, s.pset
         st = classify(disc, pset, deep=True, set_name=where.set_name, stack=s.layers)
@@ -251,7 +251,7 @@ def verify(where: Where, req: VerifyRequest) -> vc.VerifyResult:
     return vc.run_verify(ctx, extra)
 
 
-def _verify_checks(where: Where, req: VerifyRequest) -> list[str]:
+def _extra_checks(where: Where, req: VerifyRequest) -> list[str]:
     """The extra checks asked for, in run order; a combination that cannot
     work is refused before anything is read."""
     extra = []

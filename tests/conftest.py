@@ -23,14 +23,23 @@ terminal even while pytest captures output."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Every first-party module imports from the repository root (gate.x, lab.x):
+# here, and in every process a test starts (the gate's scripts run by path,
+# the lab's modules with -m), as the gate runner and `python -m` provide it.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO)])
 
-from lab import provision
+from lab import provision  # noqa: E402 - needs the root on sys.path (above)
+
 SERIES_053 = REPO / "patches" / "hybrid-fa" / "0.5.3"
 
 

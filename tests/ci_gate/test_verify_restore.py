@@ -39,7 +39,7 @@ def test_restore_cpu_and_roundtrip_pass(runtime_python_053, patches_root, target
 def test_restore_checks_fail_on_an_unfixed_install(tmp_path, runtime_python_053, inert_root):
     """The negative control: patched with a series that does not fix the
     bug (01 only), the files verify, and the restore checks FAIL: exit 13."""
-    r = cli("wheel", "--from", str(__import__("provision").wheel("0.5.3")), "-o",
+    r = cli("wheel", "--from", str(__import__("lab.provision", fromlist=["wheel"]).wheel("0.5.3")), "-o",
             str(tmp_path), "--json", patches=inert_root)
     assert r.rc == 0, r.err
     site = tmp_path / "site"

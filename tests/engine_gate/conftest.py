@@ -103,7 +103,7 @@ def gate(tmp_path: Path) -> GateRunner:
 
 
 def _load_gate_module():
-    """``gate/engine_gate.py`` as module ``gpu_gate_cli`` (``engine_gate`` is this test package's name)."""
+    """``gate/engine_gate.py`` as module ``engine_gate_cli`` (``engine_gate`` is this test package's name)."""
     import importlib.util
 
     if "engine_gate_cli" in sys.modules:

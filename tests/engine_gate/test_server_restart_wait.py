@@ -12,7 +12,7 @@ own timestamps."""
 
 from __future__ import annotations
 
-import gpu_gate_cli as engine_gate
+import engine_gate_cli as engine_gate
 
 SCHED = ("[2026-12-02 11:26:33,515] LMCache WARNING: LMCache server is healthy again \u2014 resuming normal "
          "operation (vllm_multi_process_adapter.py:543:lmcache.integration.vllm.vllm_multi_process_adapter)")

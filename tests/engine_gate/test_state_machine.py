@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gate import engine_servers as gs
-import gpu_gate_cli as engine_gate
+import engine_gate_cli as engine_gate
 
 
 def test_transition_tables():

@@ -59,7 +59,7 @@ def test_check_untied_refuses_a_head_that_copies_the_embedding(tmp_path):
 
 def test_gate_refuses_a_tied_model_before_starting_anything(tmp_path):
     """The gate's preflight runs the check: a refusal (inconclusive), nothing started."""
-    import gpu_gate_cli as gate  # conftest loads gate/engine_gate.py under this name
+    import engine_gate_cli as gate  # conftest loads gate/engine_gate.py under this name
 
     d = _model(tmp_path, "Qwen3NextForCausalLM", {"model.embed_tokens.weight": EMB}, tie=True)
     run = gate.GateRun(gate.GateConfig(model=str(d), device="cpu", tokenizer="byte", lengths=[1024],

@@ -37,7 +37,7 @@ MAX_SECONDS = 180
 
 
 def run_gate(python: Path, overlay: Path, presets: list[str], *extra: str, timeout: float = 300):
-    env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", NO_COLOR="1")
     argv = [str(python), str(GATE), "--json"] + [a for p in presets for a in ("--preset", p)] + list(extra)
     t0 = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout, cwd=str(REPO))
@@ -271,7 +271,7 @@ def test_server_never_ready_is_an_error(runtime_python_053: Path, pristine_overl
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_gate_cleans_up(runtime_python_053: Path, pristine_overlay_053: Path, sig: int) -> None:
-    env = dict(os.environ, PYTHONPATH=str(pristine_overlay_053), NO_COLOR="1")
+    env = dict(os.environ, PYTHONPATH=f"{pristine_overlay_053}:{REPO}", NO_COLOR="1")
     gate = subprocess.Popen([str(runtime_python_053), str(GATE), "--json", "--preset", "control-k1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     seen = []

@@ -48,7 +48,7 @@ def run_harness(python: Path, overlay: Path, args: list[str], timeout: int = 120
     if key in _CACHE:
         return _CACHE[key]
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(overlay)
+    env["PYTHONPATH"] = f"{overlay}:{REPO}"  # the gate imports from the root
     env.pop("PYTHONSTARTUP", None)
     proc = subprocess.run([str(python), str(HARNESS), "--json", *args], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=str(REPO))

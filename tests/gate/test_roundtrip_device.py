@@ -125,7 +125,7 @@ def test_local_events_import_their_own_handles():
 # -- the CLI and the cpu-standin code path, in the real 0.5.3 runtime venv ------------------
 
 def _harness(python, overlay, *args, check=True):
-    env = dict(os.environ, PYTHONPATH=str(overlay))
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}")
     proc = subprocess.run([str(python), str(HARNESS), *args], capture_output=True, text=True, env=env,
                           timeout=1200, cwd=str(REPO))
     if check:

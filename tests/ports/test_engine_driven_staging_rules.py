@@ -122,7 +122,7 @@ def _versions() -> list[str]:
 def test_staging_region_rules(version):
     overlay = revision3_overlay(version)
     python = provision.runtime_env(version) / "bin" / "python"
-    env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1", LMCACHE_DISABLE_BANNER="1")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", NO_COLOR="1", LMCACHE_DISABLE_BANNER="1")
     env.pop("LMCACHE_PATCHTOOL_STAGING_FILL", None)
     proc = subprocess.run([str(python), "-c", SCRIPT], capture_output=True, text=True, env=env,
                           timeout=120, cwd=str(REPO))

@@ -91,7 +91,7 @@ def _series(version: str) -> list[Path]:
 def _env(version: str) -> tuple[Path, dict[str, str]]:
     python = provision.runtime_env(version) / "bin" / "python"
     overlay = provision.overlay(version, _series(version))
-    return python, dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
+    return python, dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", NO_COLOR="1")
 
 
 def _phase(version: str, work: Path, *args: str) -> dict:

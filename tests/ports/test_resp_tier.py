@@ -84,7 +84,7 @@ def _gate(version: str, work: Path, redis: RedisProc, presets: tuple[str, ...], 
           series: list[Path] | None = None, name: str = "gate") -> dict:
     python = provision.runtime_env(version) / "bin" / "python"
     overlay = provision.overlay(version, _series(version) if series is None else series)
-    env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", NO_COLOR="1")
     out = work / f"{name}.json"
     proc = subprocess.run([str(python), str(GATE), "--redis-url", redis.url, "--json-out", str(out),
                            *[a for p in presets for a in ("--preset", p)], "--chunks", "3",

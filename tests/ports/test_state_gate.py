@@ -32,7 +32,7 @@ CHUNK_BLOCKS = (1, 2) if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1" else (1
 def state_gate(version: str, patched: bool, chunk_blocks: int) -> tuple[int, dict]:
     venv = provision.runtime_env(version)
     overlay = provision.overlay(version, series(version) if patched else None)
-    env = dict(os.environ, PYTHONPATH=str(overlay), NO_COLOR="1")
+    env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", NO_COLOR="1")
     proc = subprocess.run([str(venv / "bin" / "python"), str(REPO / "lab" / "state_gate.py"), "--json",
                            "--quiet", "--chunk-blocks", str(chunk_blocks), "--chunks", str(8 // chunk_blocks)],
                           capture_output=True, text=True, env=env, timeout=600, cwd=str(REPO))

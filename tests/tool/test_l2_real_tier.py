@@ -43,7 +43,7 @@ def _store(version: str, work: Path, seed: int) -> list[Path]:
     l2 = work / f"l2-{version}"
     l2.mkdir(parents=True)
     py = provision.runtime_env(version) / "bin" / "python"
-    env = dict(os.environ, PYTHONPATH=str(provision.overlay(version)), NO_COLOR="1")
+    env = dict(os.environ, PYTHONPATH=f"{provision.overlay(version)}:{REPO}", NO_COLOR="1")
     report = work / f"store-{version}.json"
     proc = subprocess.run([str(py), str(GATE), "--phase", "store", "--l2-dir", str(l2),
                            "--state-out", str(work / f"state-{version}.json"),

@@ -2,7 +2,7 @@
 
 A new user's first contact with the project is that line (README.md, "Fresh machine"): it
 installs patchtool into a new ``.venv``, provisions a bare venv holding the real lmcache 0.5.6
-wheel (``lab/provision.py bare 0.5.6``) and runs ``patchtool status`` on it.  The command
+wheel (``python -m lab.provision bare 0.5.6``) and runs ``patchtool status`` on it.  The command
 substitutes provision.py's stdout as the ``--python`` path, so anything else on that stdout (pip's
 own download lines, which appear only when the wheel is not cached yet) breaks it.  Nobody sees
 that on a warm machine, so this test runs the line exactly as the README prints it, in a copy of
@@ -45,7 +45,7 @@ def fresh_copy(dest: Path) -> Path:
 
 def test_readme_first_command_from_a_fresh_clone_with_empty_caches(tmp_path):
     command = readme_first_command()
-    assert "provision.py bare 0.5.6" in command and "patchtool status" in command, command
+    assert "-m lab.provision bare 0.5.6" in command and "patchtool status" in command, command
     clone = fresh_copy(tmp_path / "clone")
     caches = {k: tmp_path / "caches" / k.lower() for k in ("LMCACHE_PATCHTOOL_CACHE", "PIP_CACHE_DIR",
                                                            "XDG_CACHE_HOME")}

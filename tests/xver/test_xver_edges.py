@@ -102,7 +102,7 @@ def test_reader_refuses_source_bytes_it_cannot_regenerate(ci_run, tmp_path: Path
     py, ov = xver_gate.build_env(Build("0.5.6", "patched"))
     proc = subprocess.run([str(py), str(xver_gate.GATE), "--phase", "restore", "--l2-dir", str(l2),
                            "--state-in", str(tmp_path / "state.json"), "--json"],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ov)), timeout=300)
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=f"{ov}:{REPO}"), timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "not deterministic across the two environments" in json.loads(proc.stdout)["reason"]
 
