@@ -89,7 +89,7 @@ def model_is_hybrid(model_dir: str) -> bool:
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return True  # unknown: keep the hybrid flags (the GPU gate's historical default)
+        return True  # unknown: keep the hybrid flags (the engine gate's historical default)
     cfg = cfg.get("text_config", cfg)
     types = cfg.get("layer_types") or []
     if types:

@@ -1,4 +1,4 @@
-"""Prometheus text parsing and the counters the GPU gate reads (stdlib only).
+"""Prometheus text parsing and the counters the engine gate reads (stdlib only).
 
 vLLM 0.27.1 (``vllm/v1/metrics/loggers.py``, prometheus_client counters, so the
 exposition name gets ``_total``; labels ``model_name``, ``engine``):

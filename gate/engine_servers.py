@@ -1,4 +1,4 @@
-"""Command lines and log facts for the servers the GPU gate runs (stdlib only).
+"""Command lines and log facts for the servers the engine gate runs (stdlib only).
 
 vLLM (0.27.1) is started as ``vllm serve MODEL ...``; the LMCache side through
 the MP connector shipped by the lmcache wheel.  The KV-transfer config keys come

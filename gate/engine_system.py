@@ -1,4 +1,4 @@
-"""Host-side facts for the GPU gate: GPU memory, our own leftover processes,
+"""Host-side facts for the engine gate: GPU memory, our own leftover processes,
 versions and patched-file hashes (stdlib only; torch is only imported inside a
 child interpreter of the target venv).
 

@@ -444,26 +444,32 @@ def _pick_ids(rng: random.Random, nb: int, m: int, avoid: list[int] | None = Non
     raise RuntimeError("could not draw distinct block ids")
 
 
-def run_cell(cell: Cell, opts: Options) -> dict:
-    import torch  # noqa: PLC0415
-    from lmcache.utils import EngineType  # noqa: PLC0415
-    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey  # noqa: PLC0415
-    from lmcache.v1.multiprocess.modules.lmcache_driven_transfer import (  # noqa: PLC0415
-        LMCacheDrivenTransferModule,
-    )
+@dataclass
+class _CellPlan:
+    """One cell's geometry and block ids, before any tensor exists."""
 
-    from gate import harness_guards as guards  # noqa: PLC0415
-    from gate.harness_native import native_emulation  # noqa: PLC0415
+    cell: Cell
+    opts: Options
+    geo: geometry.Geometry
+    on_cuda: bool  # "cuda", or "cpu-standin": the same code path on CPU tensors
+    tensor_device: str
+    C: int  # tokens per chunk
+    m: int  # logical blocks requested
+    T: int  # tokens requested
+    nb: int  # logical blocks in each cache
+    fa_layers: list[int]
+    gdn_layers: list[int]
+    present: list[str]  # the kinds the model has: "gdn" before "fa"
+    src_ids: dict[str, list[int]]  # per kind: the block ids stored from
+    dst_ids: dict[str, list[int]]  # per kind: the block ids retrieved into
 
-    on_cuda = opts.device != "cpu"  # "cuda", or "cpu-standin": the same code path on CPU tensors
+
+def _plan_cell(cell: Cell, opts: Options) -> _CellPlan:
+    """The geometry and block ids of ``cell`` (``ValueError`` on one it cannot run)."""
+    on_cuda = opts.device != "cpu"
     tensor_device = "cpu" if opts.device == "cpu-standin" else opts.device
-    if on_cuda:
-        from gate import harness_cuda as hc  # noqa: PLC0415
-    elif cell.path == "direct":
-        raise ValueError("path=direct is the CUDA copy-engine path: it needs --device cuda")
-    dev_kw = {"device": tensor_device} if on_cuda else {}
     geo = geometry.preset(cell.preset)
-    N, k, P = geo.tokens_per_block, geo.k, geo.kernel_page
+    N = geo.tokens_per_block
     C = cell.chunk_blocks * N
     m = cell.num_chunks * cell.chunk_blocks
     T = cell.num_chunks * C
@@ -491,14 +497,47 @@ def run_cell(cell: Cell, opts: Options) -> dict:
         dst_ids = {x: _pick_ids(rng, nb, m, avoid=src_ids[x]) for x in present}
     else:
         raise ValueError(f"unknown ids mode {cell.ids!r}")
+    return _CellPlan(cell=cell, opts=opts, geo=geo, on_cuda=on_cuda, tensor_device=tensor_device, C=C, m=m, T=T,
+                     nb=nb, fa_layers=fa_layers, gdn_layers=gdn_layers, present=present, src_ids=src_ids,
+                     dst_ids=dst_ids)
 
-    if geo.gdn_view == "0.30":  # the page padding past the state is poison in both
+
+@dataclass
+class _Caches:
+    """The source (random bytes) and destination (poison) KV caches of one cell."""
+
+    src: geometry.KVCaches
+    dst: geometry.KVCaches
+    src_before: list[Any]  # host copies of the source bytes: store must not change them
+
+
+def _build_caches(plan: _CellPlan) -> _Caches:
+    dev_kw: dict[str, Any] = {"device": plan.tensor_device} if plan.on_cuda else {}
+    if plan.geo.gdn_view == "0.30":  # the page padding past the state is poison in both
         dev_kw["pad_fill"] = POISON
-    src = geometry.build_kv_caches(geo, nb, seed=cell.seed, **dev_kw)
+    src = geometry.build_kv_caches(plan.geo, plan.nb, seed=plan.cell.seed, **dev_kw)
     dev_kw.pop("pad_fill", None)
-    dst = geometry.build_kv_caches(geo, nb, fill=POISON, **dev_kw)
-    src_before = [t.cpu() for t in src.raw] if on_cuda else [t.clone() for t in src.raw]
+    dst = geometry.build_kv_caches(plan.geo, plan.nb, fill=POISON, **dev_kw)
+    src_before = [t.cpu() for t in src.raw] if plan.on_cuda else [t.clone() for t in src.raw]
+    return _Caches(src=src, dst=dst, src_before=src_before)
 
+
+@dataclass
+class _ObjectSizes:
+    """The connector's group infos and the host-object sizes they imply."""
+
+    info_dicts: list[dict]
+    info_of: dict[str, dict]  # per kind
+    keep_blocks: dict[str, int]  # per kind: blocks of a chunk the object keeps
+    full_fa_seg: int
+    full_gdn_seg: int
+    full_obj: int
+    pool_obj: int  # the most one chunk's objects may take (sizes the fake pool)
+
+
+def _object_sizes(plan: _CellPlan, src: geometry.KVCaches) -> _ObjectSizes:
+    geo, cell, C, N = plan.geo, plan.cell, plan.C, plan.geo.tokens_per_block
+    fa_layers, gdn_layers = plan.fa_layers, plan.gdn_layers
     full_fa_seg = len(fa_layers) * C * geo.num_kv_heads * 2 * geo.head_size * geo.itemsize
     # GDN bytes per token in the object: the connector's re-view of one block
     # (the padded page under vLLM <= 0.29; >= the state under 0.30+'s view).
@@ -508,349 +547,587 @@ def run_cell(cell: Cell, opts: Options) -> dict:
     # A windowed group keeps only the last min(C, window) tokens of each chunk in
     # the object (``downsample_and_stage_block_ids``): for align-mode Mamba, the
     # chunk-end GDN slot.  "full" below is what the server is meant to keep.
-    info_dicts = geometry.engine_group_infos(geo, opts.window_rule)
+    info_dicts = geometry.engine_group_infos(geo, plan.opts.window_rule)
     info_of = {i["kind"]: i for i in info_dicts}
-    keep_blocks = {kind: geometry.kept_blocks_per_chunk(info_of[kind], cell.chunk_blocks) for kind in present}
+    keep_blocks = {kind: geometry.kept_blocks_per_chunk(info_of[kind], cell.chunk_blocks) for kind in plan.present}
     full_gdn_seg = len(gdn_layers) * keep_blocks.get("gdn", cell.chunk_blocks) * N * gdn_token_bytes
     full_obj = full_fa_seg + full_gdn_seg
     # The pool fits unwindowed objects too (LMCache's CPU cache context sizes the
     # object's GDN segment for the whole chunk; CUDA's for the window only).
     pool_obj = full_fa_seg + len(gdn_layers) * C * gdn_token_bytes
+    return _ObjectSizes(info_dicts=info_dicts, info_of=info_of, keep_blocks=keep_blocks, full_fa_seg=full_fa_seg,
+                        full_gdn_seg=full_gdn_seg, full_obj=full_obj, pool_obj=pool_obj)
+
+
+@dataclass
+class _Registration:
+    """What LMCache made of the registered caches (instance 1's cache context)."""
+
+    cc: Any  # the cache context
+    kg_kind: list[str]  # per kernel group: "fa" | "gdn"
+    og_kgs_all: list[list[int]]  # per object group: its kernel groups
+    og_window: list[int]  # per object group: its window in chunks (< 1: none)
+    og_of_kind: dict[str, int]  # per kind: its object group
+    registry: Any  # the layout descriptor registered for the model, or None
+
+
+def _register(mod: Any, ctx: Any, plan: _CellPlan, sizes: _ObjectSizes, caches: _Caches, result: dict,
+              engine_type: Any) -> _Registration:
+    """Register source (instance 1) and destination (instance 2); record LMCache's grouping in ``result``."""
+    opts, fa_layers, gdn_layers = plan.opts, plan.fa_layers, plan.gdn_layers
+    infos = geometry.make_engine_group_infos(sizes.info_dicts)
+    result["engine_groups"] = [dict(i, layer_indices=list(i["layer_indices"])) for i in sizes.info_dicts]
+    result["window_rule"] = opts.window_rule
+    hints = {"kv_layout": "HND"}
+    mod.register_kv_cache(1, [_Wrapper(t) for t in caches.src.tensors], MODEL, 1, engine_type.VLLM, hints, infos)
+    mod.register_kv_cache(2, [_Wrapper(t) for t in caches.dst.tensors], MODEL, 1, engine_type.VLLM, hints, infos)
+    cc = mod.context_entries_snapshot()[1].cache_context
+    mgr = cc.kv_layer_groups_manager
+    kg_kind = []
+    kg_info = []
+    for kg in mgr.kernel_groups:
+        layers = list(kg.layer_indices)
+        kind = "fa" if set(layers) <= set(fa_layers) else "gdn" if set(layers) <= set(gdn_layers) else "mixed"
+        kg_kind.append(kind)
+        kg_info.append({"kind": kind, "layers": layers, "tokens_per_block": kg.tokens_per_block,
+                        "window_tokens": int(mgr.get_subchunk_sw_size_tokens(len(kg_info)))
+                        if hasattr(mgr, "get_subchunk_sw_size_tokens") else None,
+                        "slots_per_block": kg.slots_per_block, "bs": int(kg.shape_desc.bs),
+                        "nb": int(kg.shape_desc.nb), "fmt": str(kg.engine_kv_format)})
+    result["kernel_groups"] = kg_info
+    if "mixed" in kg_kind:
+        raise RuntimeError(f"unexpected kernel grouping: {kg_info}")
+    # One object group (LMCache's default) or several: a server that writes
+    # a hybrid's groups separately (0.5.4+ with the series' part 06, or
+    # --separate-object-groups).  Per chunk, the objects of all groups are
+    # analysed together, in object-group order, as one byte string: for a
+    # merged object that is the object itself, so hashes compare across both.
+    og_kgs_all = [list(og.kernel_group_indices) for og in mgr.object_groups]
+    result["object_groups"] = og_kgs_all
+    # A separate windowed object group (Mamba/GDN state: one chunk) is
+    # retrieved only for the last ``window`` chunks of the request: the
+    # state at the end of the hit is all the engine needs.  Merged objects
+    # report one full-attention window.
+    og_window = [int(w) for w in mgr.get_attn_desc().num_chunks_in_sw] if len(og_kgs_all) > 1 \
+        else [-1]
+    og_of_kind = {kg_kind[kgi]: og for og, kgs in enumerate(og_kgs_all) for kgi in kgs}
+    result["object_group_windows"] = og_window
+    registry = ctx.layout_desc_registry.find(MODEL, 1)
+    result["registry_layout"] = {"shapes": [list(s) for s in registry.shapes],
+                                 "dtypes": [str(d) for d in registry.dtypes]} if registry else None
+    return _Registration(cc=cc, kg_kind=kg_kind, og_kgs_all=og_kgs_all, og_window=og_window, og_of_kind=og_of_kind,
+                         registry=registry)
+
+
+@dataclass
+class _TransferPath:
+    """How the transfer runs: the context that routes it (LMCache's real CUDA
+    path, the CPU native emulation, or LMCache's own Python path), and how
+    each call gets its IPC handle and is waited for."""
+
+    context: Any
+    handle: Callable[[], bytes]
+    settle: Callable[[], None]
+
+
+def _transfer_path(plan: _CellPlan, cc: Any, recorder: Any, stack: contextlib.ExitStack,
+                   make_handle: Callable[[Any], bytes] | None, native_emulation: Callable[..., Any]) -> _TransferPath:
+    cell, opts = plan.cell, plan.opts
+    if plan.on_cuda:
+        from gate import harness_cuda as hc  # noqa: PLC0415
+
+        if opts.device == "cpu-standin" and cell.path == "native":
+            stack.enter_context(hc.standin_native())
+        path_cm = hc.real_path(cell.path, recorder.record if opts.guards else None)
+        device = cc.device
+
+        def handle() -> bytes:
+            return make_handle(device)
+
+        def settle() -> None:
+            hc.synchronize(plan.tensor_device)
+    else:
+        path_cm = native_emulation(recorder.record if opts.guards else None) if cell.path == "native" \
+            else contextlib.nullcontext()
+
+        def handle() -> bytes:
+            return b"stub_ipc_handle"
+
+        def settle() -> None:
+            pass
+    return _TransferPath(context=path_cm, handle=handle, settle=settle)
+
+
+@dataclass
+class _Request:
+    """The store and retrieve requests: keys, block-id lists per kernel group, skipped prefix."""
+
+    store_key: Any
+    retrieve_key: Any
+    store_lists: list[list[int]]
+    retrieve_lists: list[list[int]]
+    skip_tokens: int
+
+
+def _request(plan: _CellPlan, reg: _Registration, key_cls: Any) -> _Request:
+    T = plan.T
+    store_lists = [plan.src_ids[x] for x in reg.kg_kind]
+    retrieve_lists = [plan.dst_ids[x] for x in reg.kg_kind]
+    tokens = token_form.token_fields(key_cls, tuple(range(T)))
+    store_key = key_cls(model_name=MODEL, world_size=1, worker_id=0, **tokens,
+                        start=0, end=T, request_id="rt-store")
+    retrieve_key = key_cls(model_name=MODEL, world_size=1, worker_id=0, **tokens,
+                           start=0, end=T, request_id="rt-retrieve")
+    skip_tokens = plan.cell.skip_blocks * plan.geo.tokens_per_block
+    return _Request(store_key=store_key, retrieve_key=retrieve_key, store_lists=store_lists,
+                    retrieve_lists=retrieve_lists, skip_tokens=skip_tokens)
+
+
+def _native_counts(stats: Any) -> dict:
+    return {"calls": stats.calls, "steps": stats.steps, "launches": stats.launches,
+            "staging_copies": stats.staging_copies}
+
+
+def _store_and_retrieve(mod: Any, plan: _CellPlan, req: _Request, sm: FakeStorageManager, recorder: Any,
+                        path: _TransferPath, result: dict) -> tuple[list[float], list[float]]:
+    """``store`` from instance 1 then ``retrieve`` into instance 2, ``opts.reps`` times (the last
+    repetition's objects and bytes are what is analysed); the outcome and the path's stats go
+    into ``result``.  Returns the store and retrieve times of each repetition."""
+    cell, opts = plan.cell, plan.opts
+    rec_cm = recorder.wrap_python_path() if opts.guards else contextlib.nullcontext()
+    store_s, retrieve_s = [], []
+    native_stats = None
+    with path.context as native_stats, rec_cm, _inject_fault(opts.inject):
+        for rep in range(max(1, opts.reps)):
+            if rep:
+                sm.reset()
+                recorder.records.clear()
+            h = path.handle()
+            t0 = time.perf_counter()
+            _, store_ok = mod.store(req.store_key, 1, [list(x) for x in req.store_lists], h)
+            path.settle()
+            t1 = time.perf_counter()
+            h = path.handle()
+            t1b = time.perf_counter()
+            _, retrieve_ok = mod.retrieve(req.retrieve_key, 2, [list(x) for x in req.retrieve_lists], h,
+                                          skip_first_n_tokens=req.skip_tokens)
+            path.settle()
+            t2 = time.perf_counter()
+            store_s.append(t1 - t0)
+            retrieve_s.append(t2 - t1b)
+    result["store_ok"], result["retrieve_ok"] = bool(store_ok), bool(retrieve_ok)
+    if plan.on_cuda:
+        result["transfer"] = native_stats.to_json()
+        result["native"] = _native_counts(native_stats) if cell.path == "native" else None
+    elif native_stats is not None:
+        result["native"] = _native_counts(native_stats)
+    elif cell.path == "native":
+        result["native"] = None
+    return store_s, retrieve_s
+
+
+def _pages(ids: list[int], positions: list[int], ppb: int) -> list[int]:
+    """The pages (``ppb`` per logical block) behind ``positions`` of ``ids``."""
+    return [ids[p] * ppb + j for p in positions for j in range(ppb)]
+
+
+def _compare_layers(plan: _CellPlan, kind: str, exp_pos: list[int], off_pos: list[int], skip_pos: list[int],
+                    src: geometry.KVCaches, dst: geometry.KVCaches) -> dict[str, Any]:
+    """Byte counts of one kind's layers after the round trip (see :func:`_restore_groups`)."""
+    import torch  # noqa: PLC0415
+
+    geo = plan.geo
+    layers = plan.fa_layers if kind == "fa" else plan.gdn_layers
+    ppb = geo.k if kind == "fa" else 1
+    src_ids, dst_ids = plan.src_ids[kind], plan.dst_ids[kind]
+    poison_word = int.from_bytes(bytes([POISON]) * 8, "little", signed=True)
+    requested = restored = foreign = skipped_written = misplaced = 0
+    off_written = off_wrong = 0
+    slots_exact = 0
+    row_bytes = None
+    for li in layers:
+        s_rows = _wide(_rows(src.raw[li], kind, geo))
+        d_rows = _wide(_rows(dst.raw[li], kind, geo))
+        row_bytes = _rows(src.raw[li], kind, geo).shape[-1]
+        pv = poison_word if d_rows.dtype == torch.int64 else POISON
+        d_pages = _pages(dst_ids, exp_pos, ppb)
+        s_pages = _pages(src_ids, exp_pos, ppb)
+        sk_pages = _pages(dst_ids, skip_pos, ppb)
+        requested += len(d_pages) * s_rows.shape[1] * row_bytes
+        if d_pages:
+            d_sel = d_rows[d_pages]
+            eq = (d_sel == s_rows[s_pages]).all(-1)
+            restored += int(eq.count_nonzero()) * row_bytes
+            slots_exact += int(eq.all(-1).view(len(exp_pos), ppb).all(-1).count_nonzero())
+            # written (not poison) but wrong: misplaced bytes inside the requested blocks
+            misplaced += int(((d_sel != pv).any(-1) & ~eq).count_nonzero()) * row_bytes
+        if off_pos:
+            od = _pages(dst_ids, off_pos, ppb)
+            os_ = _pages(src_ids, off_pos, ppb)
+            o_sel = d_rows[od]
+            o_changed = (o_sel != pv).any(-1)
+            off_written += int(o_changed.count_nonzero()) * row_bytes
+            o_wrong = int((o_changed & ~(o_sel == s_rows[os_]).all(-1)).count_nonzero()) * row_bytes
+            off_wrong += o_wrong
+            misplaced += o_wrong
+        changed = (d_rows != pv).any(-1)  # (pages, rows)
+        allowed = torch.zeros(d_rows.shape[0], dtype=torch.bool)
+        allowed[d_pages] = True
+        skipped = torch.zeros(d_rows.shape[0], dtype=torch.bool)
+        if sk_pages:
+            skipped[sk_pages] = True
+        if off_pos:
+            allowed[_pages(dst_ids, off_pos, ppb)] = True
+        foreign += int(changed[~(allowed | skipped)].count_nonzero()) * row_bytes
+        skipped_written += int(changed[skipped].count_nonzero()) * row_bytes
+    return {"layers": layers, "ppb": ppb, "requested": requested, "restored": restored, "foreign": foreign,
+            "skipped_written": skipped_written, "misplaced": misplaced, "off_written": off_written,
+            "off_wrong": off_wrong, "slots_exact": slots_exact, "row_bytes": row_bytes}
+
+
+def _restore_groups(plan: _CellPlan, sizes: _ObjectSizes, reg: _Registration, src: geometry.KVCaches,
+                    dst: geometry.KVCaches) -> dict[str, dict]:
+    """Restore / foreign-write analysis, per kind: requested bytes restored
+    exactly, slots restored, bytes written outside the destination blocks or
+    into the skipped prefix, and writes into slots the server does not restore."""
+    cell = plan.cell
+    groups: dict[str, dict] = {}
+    req_pos = list(range(cell.skip_blocks, plan.m))
+    skip_pos = list(range(cell.skip_blocks))
+    for kind in plan.present:
+        # Positions the server stores and restores: every block for FA; for a
+        # windowed group (0.5.4+ GDN) only the kept tail of each chunk.  The
+        # other requested positions are "not restored": poison stays there
+        # (checked below: any write into them must be the true bytes).
+        exp_pos = geometry.kept_positions(sizes.info_of[kind], cell.chunk_blocks, req_pos)
+        window = reg.og_window[reg.og_of_kind[kind]]
+        if window >= 1:
+            exp_pos = [p for p in exp_pos if p // cell.chunk_blocks >= cell.num_chunks - window]
+        if kind == "fa" and exp_pos != req_pos:
+            raise RuntimeError(f"FA group declared a window: {sizes.info_of[kind]}")
+        off_pos = [p for p in req_pos if p not in set(exp_pos)]
+        n = _compare_layers(plan, kind, exp_pos, off_pos, skip_pos, src, dst)
+        layers, requested = n["layers"], n["requested"]
+        groups[kind] = {"k": n["ppb"], "layers": layers, "requested_bytes": requested,
+                        "restored_bytes": n["restored"],
+                        "fraction": (n["restored"] / requested) if requested else 1.0,
+                        # slots = (layer, logical block position); "expected" = what the server stores
+                        "keep_blocks_per_chunk": sizes.keep_blocks[kind],
+                        "slots_requested": len(layers) * len(req_pos),
+                        "slots_expected": len(layers) * len(exp_pos),
+                        "slots_restored": n["slots_exact"],
+                        "slots_not_restored_by_design": len(layers) * len(off_pos),
+                        "not_restored_slots_written_bytes": n["off_written"],
+                        "not_restored_slots_wrong_bytes": n["off_wrong"],
+                        "foreign_bytes": n["foreign"], "skipped_prefix_written_bytes": n["skipped_written"],
+                        "misplaced_bytes": n["misplaced"],
+                        "row_bytes": n["row_bytes"]}
+    return groups
+
+
+def _mutated_bytes(raw: list[Any], before: list[Any]) -> int:
+    """Source bytes that differ from their copies taken before the round trip."""
+    import torch  # noqa: PLC0415
+
+    return sum(0 if torch.equal(a, b) else
+               int((a.view(-1).view(torch.uint8) != b.view(-1).view(torch.uint8)).count_nonzero())
+               for a, b in zip(raw, before))
+
+
+def _match_segment_layout(plan: _CellPlan, sizes: _ObjectSizes, seg: dict, kind: str, chunk_ids: list[int],
+                          seg_bytes: Any, src: geometry.KVCaches) -> None:
+    """Which independent reconstruction of the expected bytes ``seg`` matches
+    (``seg["layout_matches"]``, and for a windowed GDN segment its unused tail)."""
+    import torch  # noqa: PLC0415
+
+    nbytes, full = seg["nbytes"], seg["full_nbytes"]
+    if kind == "fa":
+        src_fa = [src.raw[i] for i in plan.fa_layers]
+        matches = []
+        for rule in ("pass-major", "pristine"):
+            exp = expected_fa_segment(src_fa, plan.geo, chunk_ids, rule)
+            if exp.numel() == nbytes and torch.equal(exp, seg_bytes):
+                matches.append(rule)
+        seg["layout_matches"] = matches
+        return
+    kept = chunk_ids[len(chunk_ids) - sizes.keep_blocks["gdn"]:]
+    exp = expected_gdn_segment([src.tensors[i] for i in plan.gdn_layers], kept)
+    if exp.numel() == nbytes and torch.equal(exp, seg_bytes):
+        seg["layout_matches"] = ["gdn-rows"]
+    elif len(kept) < len(chunk_ids) and nbytes == sizes.full_gdn_seg * len(chunk_ids) // len(kept) \
+            and torch.equal(exp, seg_bytes[:exp.numel()]):
+        # LMCache's CPU cache context sizes the segment for the whole
+        # chunk (``get_kernel_group_shape_dtype`` ignores the window;
+        # CUDA's does not): the kept slots sit at its head, the rest
+        # is never written nor read.
+        seg["layout_matches"] = ["gdn-rows-window-head"]
+        seg["ratio"] = exp.numel() / full if full else None
+        seg["unused_tail_bytes"] = nbytes - exp.numel()
+        seg["unused_tail_nonzero_bytes"] = int(seg_bytes[exp.numel():].count_nonzero())
+    else:
+        seg["layout_matches"] = []
+
+
+def _chunk_object(plan: _CellPlan, sizes: _ObjectSizes, reg: _Registration, ci: int, parts: list[tuple[int, Any]],
+                  src: geometry.KVCaches) -> tuple[dict, list[dict], tuple[int, int, int] | None]:
+    """Chunk ``ci``'s objects (``(object group, obj)`` in object-group order) as
+    one byte string: its description, its segments and its FA segment's
+    ``(object group, offset in that object, nbytes)`` (None without one)."""
+    import torch  # noqa: PLC0415
+
+    cell, opts = plan.cell, plan.opts
+    raw = torch.cat([obj.raw_data[:obj.get_size()] for _, obj in parts]) if len(parts) > 1 \
+        else parts[0][1].raw_data[:parts[0][1].get_size()]
+    segs = []
+    fa_seg = None
+    off = 0
+    for og, kgi, shape, dtype in [(og, kgi, shape, dtype) for og, obj in parts
+                                  for kgi, shape, dtype in zip(reg.og_kgs_all[og], obj.meta.shapes,
+                                                               obj.meta.dtypes)]:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        kind = reg.kg_kind[kgi]
+        full = sizes.full_fa_seg if kind == "fa" else sizes.full_gdn_seg
+        seg = {"object_group": og, "kernel_group": kgi, "kind": kind, "offset": off, "nbytes": nbytes,
+               "shape": list(shape),
+               "dtype": str(dtype), "full_nbytes": full, "ratio": nbytes / full if full else None}
+        if opts.hashes:
+            seg["sha256"] = _sha(raw[off:off + nbytes])
+        chunk_ids = plan.src_ids[kind][ci * cell.chunk_blocks:(ci + 1) * cell.chunk_blocks]
+        seg_bytes = raw[off:off + nbytes]
+        if kind == "fa":
+            og_off = off - sum(o.get_size() for g, o in parts if g < og)
+            fa_seg = (og, og_off, nbytes)
+        _match_segment_layout(plan, sizes, seg, kind, chunk_ids, seg_bytes, src)
+        segs.append(seg)
+        off += nbytes
+    # The bytes the server wrote and reads back: every segment, less the
+    # unused tail of a windowed GDN segment (CPU cache context), whose
+    # content is stale staging memory (nonzero and run-dependent on 0.5.6).
+    used = [raw[sg["offset"]:sg["offset"] + sg["nbytes"] - sg.get("unused_tail_bytes", 0)] for sg in segs]
+    desc = {"chunk": ci, "size": sum(o.get_size() for _, o in parts), "full_size": sizes.full_obj,
+            "address": parts[0][1].meta.address,
+            "object_sizes": [o.get_size() for _, o in parts],
+            "sha256": _sha(raw) if opts.hashes else None,
+            "sha256_used": (_sha(torch.cat(used)) if len(used) > 1 else _sha(used[0]))
+            if opts.hashes and used else None,
+            "unused_bytes": sum(sg.get("unused_tail_bytes", 0) for sg in segs),
+            "segments": segs}
+    return desc, segs, fa_seg
+
+
+@dataclass
+class _HostObjects:
+    """The stored host objects, per chunk (None where a chunk's objects are missing)."""
+
+    keys_per_og: list[list[Any]]  # per object group, per chunk: its ObjectKey
+    objects: list[dict | None]
+    seg_info: list[tuple[str, int, int]] | None  # (kind, offset, nbytes) per segment
+    fa_seg: tuple[int, int, int] | None  # (object group, offset, nbytes) of the FA segment
+
+
+def _host_objects(plan: _CellPlan, sizes: _ObjectSizes, reg: _Registration, ctx: Any, sm: FakeStorageManager,
+                  src: geometry.KVCaches, store_key: Any) -> _HostObjects:
+    n_og = len(reg.og_kgs_all)
+    keys_per_og = ctx.resolve_obj_keys(store_key, list(range(n_og)))
+    objects: list[dict | None] = []
+    seg_info = None
+    fa_seg = None
+    for ci in range(len(keys_per_og[0])):
+        parts = [(og, sm.objs.get(keys_per_og[og][ci])) for og in range(n_og)]
+        if any(obj is None for _, obj in parts):
+            objects.append(None)
+            continue
+        desc, segs, chunk_fa_seg = _chunk_object(plan, sizes, reg, ci, parts, src)
+        if chunk_fa_seg is not None:
+            fa_seg = chunk_fa_seg
+        seg_info = [(s["kind"], s["offset"], s["nbytes"]) for s in segs]
+        objects.append(desc)
+    return _HostObjects(keys_per_og=keys_per_og, objects=objects, seg_info=seg_info, fa_seg=fa_seg)
+
+
+def _object_summary(groups: dict[str, dict], ok_objs: list[dict]) -> None:
+    """Per kind in ``groups``: its object segment's size, full size, ratio and matching layouts."""
+    fa_segs = [s for o in ok_objs for s in o["segments"] if s["kind"] == "fa"]
+    gdn_segs = [s for o in ok_objs for s in o["segments"] if s["kind"] == "gdn"]
+    for kind, segs in (("fa", fa_segs), ("gdn", gdn_segs)):
+        if kind in groups:
+            groups[kind]["object_segment_bytes"] = segs[0]["nbytes"] if segs else None
+            groups[kind]["object_full_bytes"] = segs[0]["full_nbytes"] if segs else None
+            groups[kind]["object_ratio"] = segs[0]["ratio"] if segs else None
+            groups[kind]["object_layouts"] = sorted({r for s in segs for r in s["layout_matches"]}) \
+                if segs and all(s["layout_matches"] == segs[0]["layout_matches"] for s in segs) else \
+                ["inconsistent"] if segs else []
+
+
+def _copy_report(plan: _CellPlan, sizes: _ObjectSizes, reg: _Registration, sm: FakeStorageManager, host: _HostObjects,
+                 recorder: Any, skip_tokens: int) -> dict:
+    """The recorded host<->staging copies, per direction, against the objects
+    each direction should touch (nested per object group when there are several)."""
+    cell, C, k = plan.cell, plan.C, plan.geo.k
+    bs = reg.cc.max_batch_size
+    descs = []
+    for og, og_keys in enumerate(host.keys_per_og):
+        obj_desc = []
+        for ci, key in enumerate(og_keys):
+            obj = sm.objs.get(key)
+            batch_end_tok = min((ci // bs + 1) * bs, cell.num_chunks) * C
+            in_window = reg.og_window[og] < 1 or ci >= cell.num_chunks - reg.og_window[og]
+            obj_desc.append({"ptr": obj.data_ptr if obj else -1,
+                             "address": obj.meta.address if obj else -1,
+                             "size": obj.get_size() if obj else 0, "copied": obj is not None,
+                             "copied_h2d": obj is not None and batch_end_tok > skip_tokens
+                             and in_window})
+        descs.append(obj_desc)
+    fa_seg = host.fa_seg
+    page = sizes.full_fa_seg // k if fa_seg else None
+    d2h, h2d = {}, {}
+    for og, obj_desc in enumerate(descs):
+        others = [o for g2, d in enumerate(descs) if g2 != og for o in d if o["size"]]
+        og_fa = fa_seg[1:] if fa_seg and fa_seg[0] == og else None
+        d2h_og = recorder.analyse("d2h", obj_desc, og_fa, page, k, elsewhere=others)
+        h2d_og = recorder.analyse("h2d", [dict(o, copied=o["copied_h2d"]) for o in obj_desc], og_fa,
+                                  page, k, elsewhere=others)
+        if len(descs) == 1:
+            d2h, h2d = d2h_og, h2d_og
+        else:
+            d2h[f"object_group_{og}"], h2d[f"object_group_{og}"] = d2h_og, h2d_og
+    if len(descs) > 1:
+        for side in (d2h, h2d):
+            per_og = [v for v in side.values() if isinstance(v, dict)]
+            side["ok"] = all(v["ok"] for v in per_og)
+            side["problems"] = [p for v in per_og for p in v["problems"]]
+            fa_side = [v for v in per_og if "fa_per_page_tiling" in v]
+            if fa_side:
+                side["fa_per_page_tiling"] = fa_side[0]["fa_per_page_tiling"]
+    return {"d2h": d2h, "h2d": h2d, "ok": d2h["ok"] and h2d["ok"],
+            "paths_seen": sorted({r["path"] for r in recorder.records})}
+
+
+def _guard_report(plan: _CellPlan, sizes: _ObjectSizes, reg: _Registration, sm: FakeStorageManager,
+                  host: _HostObjects, recorder: Any, skip_tokens: int, guards: Any) -> dict[str, Any]:
+    g: dict[str, Any] = {"enabled": plan.opts.guards}
+    if plan.opts.guards:
+        snaps_equal = all(guards.snapshot(sm.objs[key]) == snap for key, snap in sm.snapshots.items())
+        g["frozen_meta"] = {"violations": list(guards.VIOLATIONS), "snapshots_equal": snaps_equal,
+                            "ok": not guards.VIOLATIONS and snaps_equal}
+        g["copies"] = _copy_report(plan, sizes, reg, sm, host, recorder, skip_tokens)
+        g["ok"] = g["frozen_meta"]["ok"] and g["copies"]["ok"]
+    return g
+
+
+def _verdict(plan: _CellPlan, result: dict, groups: dict[str, dict], src_mutated: int,
+             g: dict[str, Any]) -> dict[str, Any]:
+    cell, opts = plan.cell, plan.opts
+    reasons = []
+    if not result["store_ok"]:
+        reasons.append("store failed")
+    if not result["retrieve_ok"]:
+        reasons.append("retrieve failed")
+    for kind, gr in groups.items():
+        if gr["fraction"] != 1.0:
+            reasons.append(f"{kind}: restored {gr['fraction']:.4f} of requested bytes")
+        if gr["slots_restored"] != gr["slots_expected"]:
+            reasons.append(f"{kind}: {gr['slots_restored']}/{gr['slots_expected']} expected slots restored")
+        if gr["not_restored_slots_wrong_bytes"]:
+            reasons.append(f"{kind}: {gr['not_restored_slots_wrong_bytes']} wrong bytes written into slots "
+                           "the server does not restore")
+        if gr["foreign_bytes"]:
+            reasons.append(f"{kind}: {gr['foreign_bytes']} foreign bytes written")
+        if gr["skipped_prefix_written_bytes"]:
+            reasons.append(f"{kind}: {gr['skipped_prefix_written_bytes']} bytes written into the skipped prefix")
+        if gr.get("object_ratio") != 1.0:
+            reasons.append(f"{kind}: host object segment is {gr.get('object_ratio')} of full size")
+    if src_mutated:
+        reasons.append(f"store mutated {src_mutated} source bytes")
+    if plan.on_cuda:
+        taken = set(result["transfer"]["paths_taken"])
+        if taken != {cell.path}:
+            reasons.append(f"asked for the {cell.path} path, LMCache took {sorted(taken) or 'none'}")
+    if result["host_canary_damage_bytes"]:
+        reasons.append(f"{result['host_canary_damage_bytes']} host bytes written outside objects")
+    if opts.guards and not g["ok"]:
+        reasons.append("guard failure: " + "; ".join(g["frozen_meta"]["violations"][:3] +
+                                                      g["copies"]["d2h"]["problems"][:3] +
+                                                      g["copies"]["h2d"]["problems"][:3]))
+    return {"pass": not reasons, "reasons": reasons}
+
+
+def _nbytes(shape: Any, dtype: Any) -> int:
+    """Bytes of a ``shape`` x ``dtype`` tensor."""
+    import torch  # noqa: PLC0415
+
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def run_cell(cell: Cell, opts: Options) -> dict:
+    """One cell: plan and build the caches, register them, store and retrieve,
+    then analyse the destination, the host objects and the guards (the cell's
+    JSON report, ending in its ``verdict``)."""
+    from lmcache.utils import EngineType  # noqa: PLC0415
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey  # noqa: PLC0415
+    from lmcache.v1.multiprocess.modules.lmcache_driven_transfer import (  # noqa: PLC0415
+        LMCacheDrivenTransferModule,
+    )
+
+    from gate import harness_guards as guards  # noqa: PLC0415
+    from gate.harness_native import native_emulation  # noqa: PLC0415
+
+    on_cuda = opts.device != "cpu"  # "cuda", or "cpu-standin": the same code path on CPU tensors
+    if on_cuda:
+        from gate import harness_cuda as hc  # noqa: PLC0415
+    elif cell.path == "direct":
+        raise ValueError("path=direct is the CUDA copy-engine path: it needs --device cuda")
+    plan = _plan_cell(cell, opts)
+    caches = _build_caches(plan)
+    sizes = _object_sizes(plan, caches.src)
     # (room for one object per kernel kind and chunk: a server may separate them)
-    sm = FakeStorageManager(cell.num_chunks * (pool_obj + 2 * (2 * FakeStorageManager.GAP + 256))
+    sm = FakeStorageManager(cell.num_chunks * (sizes.pool_obj + 2 * (2 * FakeStorageManager.GAP + 256))
                             + 2 * FakeStorageManager.GAP,
-                            opts.guards, pinned=tensor_device == "cuda")
-    ctx = _fake_server_context(C, sm)
+                            opts.guards, pinned=plan.tensor_device == "cuda")
+    ctx = _fake_server_context(plan.C, sm)
     guards.VIOLATIONS.clear()
     recorder = guards.CopyRecorder()
-    result: dict[str, Any] = {"cell": asdict(cell), "name": cell.name, "geometry": geo.to_json(),
-                              "C": C, "num_logical_blocks_requested": m, "num_logical_blocks_cache": nb,
-                              "ids": {"store": src_ids, "retrieve": dst_ids}}
+    result: dict[str, Any] = {"cell": asdict(cell), "name": cell.name, "geometry": plan.geo.to_json(),
+                              "C": plan.C, "num_logical_blocks_requested": plan.m,
+                              "num_logical_blocks_cache": plan.nb,
+                              "ids": {"store": plan.src_ids, "retrieve": plan.dst_ids}}
     stack = contextlib.ExitStack()
     if on_cuda:
         result["device"] = opts.device
-        hc.synchronize(tensor_device)  # the caches are written before anything is registered
+        hc.synchronize(plan.tensor_device)  # the caches are written before anything is registered
 
     mod = LMCacheDrivenTransferModule(ctx)
     try:
-        if on_cuda:
-            make_handle = stack.enter_context(hc.local_events())
-        infos = geometry.make_engine_group_infos(info_dicts)
-        result["engine_groups"] = [dict(i, layer_indices=list(i["layer_indices"])) for i in info_dicts]
-        result["window_rule"] = opts.window_rule
-        hints = {"kv_layout": "HND"}
-        mod.register_kv_cache(1, [_Wrapper(t) for t in src.tensors], MODEL, 1, EngineType.VLLM, hints, infos)
-        mod.register_kv_cache(2, [_Wrapper(t) for t in dst.tensors], MODEL, 1, EngineType.VLLM, hints, infos)
-        cc = mod.context_entries_snapshot()[1].cache_context
-        mgr = cc.kv_layer_groups_manager
-        kg_kind = []
-        kg_info = []
-        for kg in mgr.kernel_groups:
-            layers = list(kg.layer_indices)
-            kind = "fa" if set(layers) <= set(fa_layers) else "gdn" if set(layers) <= set(gdn_layers) else "mixed"
-            kg_kind.append(kind)
-            kg_info.append({"kind": kind, "layers": layers, "tokens_per_block": kg.tokens_per_block,
-                            "window_tokens": int(mgr.get_subchunk_sw_size_tokens(len(kg_info)))
-                            if hasattr(mgr, "get_subchunk_sw_size_tokens") else None,
-                            "slots_per_block": kg.slots_per_block, "bs": int(kg.shape_desc.bs),
-                            "nb": int(kg.shape_desc.nb), "fmt": str(kg.engine_kv_format)})
-        result["kernel_groups"] = kg_info
-        if "mixed" in kg_kind:
-            raise RuntimeError(f"unexpected kernel grouping: {kg_info}")
-        # One object group (LMCache's default) or several: a server that writes
-        # a hybrid's groups separately (0.5.4+ with the series' part 06, or
-        # --separate-object-groups).  Per chunk, the objects of all groups are
-        # analysed together, in object-group order, as one byte string: for a
-        # merged object that is the object itself, so hashes compare across both.
-        og_kgs_all = [list(og.kernel_group_indices) for og in mgr.object_groups]
-        result["object_groups"] = og_kgs_all
-        # A separate windowed object group (Mamba/GDN state: one chunk) is
-        # retrieved only for the last ``window`` chunks of the request: the
-        # state at the end of the hit is all the engine needs.  Merged objects
-        # report one full-attention window.
-        og_window = [int(w) for w in mgr.get_attn_desc().num_chunks_in_sw] if len(og_kgs_all) > 1 \
-            else [-1]
-        og_of_kind = {kg_kind[kgi]: og for og, kgs in enumerate(og_kgs_all) for kgi in kgs}
-        result["object_group_windows"] = og_window
-        registry = ctx.layout_desc_registry.find(MODEL, 1)
-        result["registry_layout"] = {"shapes": [list(s) for s in registry.shapes],
-                                     "dtypes": [str(d) for d in registry.dtypes]} if registry else None
+        make_handle = stack.enter_context(hc.local_events()) if on_cuda else None
+        reg = _register(mod, ctx, plan, sizes, caches, result, EngineType)
+        req = _request(plan, reg, IPCCacheServerKey)
+        path = _transfer_path(plan, reg.cc, recorder, stack, make_handle, native_emulation)
+        store_s, retrieve_s = _store_and_retrieve(mod, plan, req, sm, recorder, path, result)
+        src, dst = (hc.to_host(caches.src), hc.to_host(caches.dst)) if on_cuda else (caches.src, caches.dst)
 
-        store_lists = [src_ids[x] for x in kg_kind]
-        retrieve_lists = [dst_ids[x] for x in kg_kind]
-        tokens = token_form.token_fields(IPCCacheServerKey, tuple(range(T)))
-        store_key = IPCCacheServerKey(model_name=MODEL, world_size=1, worker_id=0, **tokens,
-                                      start=0, end=T, request_id="rt-store")
-        retrieve_key = IPCCacheServerKey(model_name=MODEL, world_size=1, worker_id=0, **tokens,
-                                         start=0, end=T, request_id="rt-retrieve")
-        skip_tokens = cell.skip_blocks * N
-
-        if on_cuda:
-            if opts.device == "cpu-standin" and cell.path == "native":
-                stack.enter_context(hc.standin_native())
-            path_cm = hc.real_path(cell.path, recorder.record if opts.guards else None)
-            device = cc.device
-
-            def handle() -> bytes:
-                return make_handle(device)
-
-            def settle() -> None:
-                hc.synchronize(tensor_device)
-        else:
-            path_cm = native_emulation(recorder.record if opts.guards else None) if cell.path == "native" \
-                else contextlib.nullcontext()
-
-            def handle() -> bytes:
-                return b"stub_ipc_handle"
-
-            def settle() -> None:
-                pass
-        rec_cm = recorder.wrap_python_path() if opts.guards else contextlib.nullcontext()
-        store_s, retrieve_s = [], []
-        native_stats = None
-        with path_cm as native_stats, rec_cm, _inject_fault(opts.inject):
-            for rep in range(max(1, opts.reps)):
-                if rep:
-                    sm.reset()
-                    recorder.records.clear()
-                h = handle()
-                t0 = time.perf_counter()
-                _, store_ok = mod.store(store_key, 1, [list(x) for x in store_lists], h)
-                settle()
-                t1 = time.perf_counter()
-                h = handle()
-                t1b = time.perf_counter()
-                _, retrieve_ok = mod.retrieve(retrieve_key, 2, [list(x) for x in retrieve_lists], h,
-                                              skip_first_n_tokens=skip_tokens)
-                settle()
-                t2 = time.perf_counter()
-                store_s.append(t1 - t0)
-                retrieve_s.append(t2 - t1b)
-        result["store_ok"], result["retrieve_ok"] = bool(store_ok), bool(retrieve_ok)
-        if on_cuda:
-            result["transfer"] = native_stats.to_json()
-            result["native"] = {"calls": native_stats.calls, "steps": native_stats.steps,
-                                "launches": native_stats.launches, "staging_copies": native_stats.staging_copies} \
-                if cell.path == "native" else None
-            src, dst = hc.to_host(src), hc.to_host(dst)
-        elif native_stats is not None:
-            result["native"] = {"calls": native_stats.calls, "steps": native_stats.steps,
-                                "launches": native_stats.launches, "staging_copies": native_stats.staging_copies}
-        elif cell.path == "native":
-            result["native"] = None
-
-        # ---- restore / foreign-write analysis, per kind ----
-        groups: dict[str, dict] = {}
-        req_pos = list(range(cell.skip_blocks, m))
-        poison_word = int.from_bytes(bytes([POISON]) * 8, "little", signed=True)
-        skip_pos = list(range(cell.skip_blocks))
-        for kind in present:
-            layers = fa_layers if kind == "fa" else gdn_layers
-            ppb = k if kind == "fa" else 1
-            # Positions the server stores and restores: every block for FA; for a
-            # windowed group (0.5.4+ GDN) only the kept tail of each chunk.  The
-            # other requested positions are "not restored": poison stays there
-            # (checked below: any write into them must be the true bytes).
-            exp_pos = geometry.kept_positions(info_of[kind], cell.chunk_blocks, req_pos)
-            window = og_window[og_of_kind[kind]]
-            if window >= 1:
-                exp_pos = [p for p in exp_pos if p // cell.chunk_blocks >= cell.num_chunks - window]
-            if kind == "fa" and exp_pos != req_pos:
-                raise RuntimeError(f"FA group declared a window: {info_of[kind]}")
-            off_pos = [p for p in req_pos if p not in set(exp_pos)]
-            requested = restored = foreign = skipped_written = misplaced = 0
-            off_written = off_wrong = 0
-            slots_exact = 0
-            row_bytes = None
-            for li in layers:
-                s_rows = _wide(_rows(src.raw[li], kind, geo))
-                d_rows = _wide(_rows(dst.raw[li], kind, geo))
-                row_bytes = _rows(src.raw[li], kind, geo).shape[-1]
-                pv = poison_word if d_rows.dtype == torch.int64 else POISON
-                d_pages = [dst_ids[kind][p] * ppb + j for p in exp_pos for j in range(ppb)]
-                s_pages = [src_ids[kind][p] * ppb + j for p in exp_pos for j in range(ppb)]
-                sk_pages = [dst_ids[kind][p] * ppb + j for p in skip_pos for j in range(ppb)]
-                requested += len(d_pages) * s_rows.shape[1] * row_bytes
-                if d_pages:
-                    d_sel = d_rows[d_pages]
-                    eq = (d_sel == s_rows[s_pages]).all(-1)
-                    restored += int(eq.count_nonzero()) * row_bytes
-                    slots_exact += int(eq.all(-1).view(len(exp_pos), ppb).all(-1).count_nonzero())
-                    # written (not poison) but wrong: misplaced bytes inside the requested blocks
-                    misplaced += int(((d_sel != pv).any(-1) & ~eq).count_nonzero()) * row_bytes
-                if off_pos:
-                    od = [dst_ids[kind][p] * ppb + j for p in off_pos for j in range(ppb)]
-                    os_ = [src_ids[kind][p] * ppb + j for p in off_pos for j in range(ppb)]
-                    o_sel = d_rows[od]
-                    o_changed = (o_sel != pv).any(-1)
-                    off_written += int(o_changed.count_nonzero()) * row_bytes
-                    o_wrong = int((o_changed & ~(o_sel == s_rows[os_]).all(-1)).count_nonzero()) * row_bytes
-                    off_wrong += o_wrong
-                    misplaced += o_wrong
-                changed = (d_rows != pv).any(-1)  # (pages, rows)
-                allowed = torch.zeros(d_rows.shape[0], dtype=torch.bool)
-                allowed[d_pages] = True
-                skipped = torch.zeros(d_rows.shape[0], dtype=torch.bool)
-                if sk_pages:
-                    skipped[sk_pages] = True
-                if off_pos:
-                    allowed[[dst_ids[kind][p] * ppb + j for p in off_pos for j in range(ppb)]] = True
-                foreign += int(changed[~(allowed | skipped)].count_nonzero()) * row_bytes
-                skipped_written += int(changed[skipped].count_nonzero()) * row_bytes
-            groups[kind] = {"k": ppb, "layers": layers, "requested_bytes": requested, "restored_bytes": restored,
-                            "fraction": (restored / requested) if requested else 1.0,
-                            # slots = (layer, logical block position); "expected" = what the server stores
-                            "keep_blocks_per_chunk": keep_blocks[kind],
-                            "slots_requested": len(layers) * len(req_pos),
-                            "slots_expected": len(layers) * len(exp_pos),
-                            "slots_restored": slots_exact,
-                            "slots_not_restored_by_design": len(layers) * len(off_pos),
-                            "not_restored_slots_written_bytes": off_written,
-                            "not_restored_slots_wrong_bytes": off_wrong,
-                            "foreign_bytes": foreign, "skipped_prefix_written_bytes": skipped_written,
-                            "misplaced_bytes": misplaced,
-                            "row_bytes": row_bytes}
-        src_mutated = sum(0 if torch.equal(a, b) else
-                          int((a.view(-1).view(torch.uint8) != b.view(-1).view(torch.uint8)).count_nonzero())
-                          for a, b in zip(src.raw, src_before))
+        groups = _restore_groups(plan, sizes, reg, src, dst)
+        src_mutated = _mutated_bytes(src.raw, caches.src_before)
 
         # ---- host objects ----
-        keys_per_og = ctx.resolve_obj_keys(store_key, list(range(len(og_kgs_all))))
-        objects = []
-        seg_info = None
-        fa_seg = None  # (object group, offset, nbytes) of the FA segment
-        for ci in range(len(keys_per_og[0])):
-            parts = [(og, sm.objs.get(keys_per_og[og][ci])) for og in range(len(og_kgs_all))]
-            if any(obj is None for _, obj in parts):
-                objects.append(None)
-                continue
-            raw = torch.cat([obj.raw_data[:obj.get_size()] for _, obj in parts]) if len(parts) > 1 \
-                else parts[0][1].raw_data[:parts[0][1].get_size()]
-            segs = []
-            off = 0
-            for og, kgi, shape, dtype in [(og, kgi, shape, dtype) for og, obj in parts
-                                          for kgi, shape, dtype in zip(og_kgs_all[og], obj.meta.shapes,
-                                                                       obj.meta.dtypes)]:
-                nbytes = torch.Size(shape).numel() * dtype.itemsize
-                kind = kg_kind[kgi]
-                full = full_fa_seg if kind == "fa" else full_gdn_seg
-                seg = {"object_group": og, "kernel_group": kgi, "kind": kind, "offset": off, "nbytes": nbytes,
-                       "shape": list(shape),
-                       "dtype": str(dtype), "full_nbytes": full, "ratio": nbytes / full if full else None}
-                if opts.hashes:
-                    seg["sha256"] = _sha(raw[off:off + nbytes])
-                chunk_ids = src_ids[kind][ci * cell.chunk_blocks:(ci + 1) * cell.chunk_blocks]
-                seg_bytes = raw[off:off + nbytes]
-                if kind == "fa":
-                    og_off = off - sum(o.get_size() for g, o in parts if g < og)
-                    fa_seg = (og, og_off, nbytes)
-                    src_fa = [src.raw[i] for i in fa_layers]
-                    matches = []
-                    for rule in ("pass-major", "pristine"):
-                        exp = expected_fa_segment(src_fa, geo, chunk_ids, rule)
-                        if exp.numel() == nbytes and torch.equal(exp, seg_bytes):
-                            matches.append(rule)
-                    seg["layout_matches"] = matches
-                else:
-                    kept = chunk_ids[len(chunk_ids) - keep_blocks["gdn"]:]
-                    exp = expected_gdn_segment([src.tensors[i] for i in gdn_layers], kept)
-                    if exp.numel() == nbytes and torch.equal(exp, seg_bytes):
-                        seg["layout_matches"] = ["gdn-rows"]
-                    elif len(kept) < len(chunk_ids) and nbytes == full_gdn_seg * len(chunk_ids) // len(kept) \
-                            and torch.equal(exp, seg_bytes[:exp.numel()]):
-                        # LMCache's CPU cache context sizes the segment for the whole
-                        # chunk (``get_kernel_group_shape_dtype`` ignores the window;
-                        # CUDA's does not): the kept slots sit at its head, the rest
-                        # is never written nor read.
-                        seg["layout_matches"] = ["gdn-rows-window-head"]
-                        seg["ratio"] = exp.numel() / full if full else None
-                        seg["unused_tail_bytes"] = nbytes - exp.numel()
-                        seg["unused_tail_nonzero_bytes"] = int(seg_bytes[exp.numel():].count_nonzero())
-                    else:
-                        seg["layout_matches"] = []
-                segs.append(seg)
-                off += nbytes
-            seg_info = [(s["kind"], s["offset"], s["nbytes"]) for s in segs]
-            # The bytes the server wrote and reads back: every segment, less the
-            # unused tail of a windowed GDN segment (CPU cache context), whose
-            # content is stale staging memory (nonzero and run-dependent on 0.5.6).
-            used = [raw[sg["offset"]:sg["offset"] + sg["nbytes"] - sg.get("unused_tail_bytes", 0)] for sg in segs]
-            objects.append({"chunk": ci, "size": sum(o.get_size() for _, o in parts), "full_size": full_obj,
-                            "address": parts[0][1].meta.address,
-                            "object_sizes": [o.get_size() for _, o in parts],
-                            "sha256": _sha(raw) if opts.hashes else None,
-                            "sha256_used": (_sha(torch.cat(used)) if len(used) > 1 else _sha(used[0]))
-                            if opts.hashes and used else None,
-                            "unused_bytes": sum(sg.get("unused_tail_bytes", 0) for sg in segs),
-                            "segments": segs})
-        result["objects"] = objects
-        ok_objs = [o for o in objects if o]
-        fa_segs = [s for o in ok_objs for s in o["segments"] if s["kind"] == "fa"]
-        gdn_segs = [s for o in ok_objs for s in o["segments"] if s["kind"] == "gdn"]
-        for kind, segs in (("fa", fa_segs), ("gdn", gdn_segs)):
-            if kind in groups:
-                groups[kind]["object_segment_bytes"] = segs[0]["nbytes"] if segs else None
-                groups[kind]["object_full_bytes"] = segs[0]["full_nbytes"] if segs else None
-                groups[kind]["object_ratio"] = segs[0]["ratio"] if segs else None
-                groups[kind]["object_layouts"] = sorted({r for s in segs for r in s["layout_matches"]}) \
-                    if segs and all(s["layout_matches"] == segs[0]["layout_matches"] for s in segs) else \
-                    ["inconsistent"] if segs else []
+        host = _host_objects(plan, sizes, reg, ctx, sm, src, req.store_key)
+        result["objects"] = host.objects
+        ok_objs = [o for o in host.objects if o]
+        _object_summary(groups, ok_objs)
         result["groups"] = groups
-        result["object_ratio"] = (ok_objs[0]["size"] / full_obj) if ok_objs else None
-        if registry is not None and ok_objs:
+        result["object_ratio"] = (ok_objs[0]["size"] / sizes.full_obj) if ok_objs else None
+        if reg.registry is not None and ok_objs:
             # the registry's descriptor is object group 0's (LMCache's ``layout_desc``)
-            reg_size = sum(torch.Size(s).numel() * d.itemsize for s, d in zip(registry.shapes, registry.dtypes))
-            result["registry_object_bytes"] = reg_size if len(og_kgs_all) == 1 else None
+            reg_size = sum(_nbytes(s, d) for s, d in zip(reg.registry.shapes, reg.registry.dtypes))
+            result["registry_object_bytes"] = reg_size if len(reg.og_kgs_all) == 1 else None
             result["registry_object_group0_bytes"] = reg_size
         result["src_mutated_bytes"] = src_mutated
         result["host_canary_damage_bytes"] = sm.canary_damage()
 
         # ---- guards ----
-        g: dict[str, Any] = {"enabled": opts.guards}
-        if opts.guards:
-            snaps_equal = all(guards.snapshot(sm.objs[key]) == snap for key, snap in sm.snapshots.items())
-            g["frozen_meta"] = {"violations": list(guards.VIOLATIONS), "snapshots_equal": snaps_equal,
-                                "ok": not guards.VIOLATIONS and snaps_equal}
-            bs = cc.max_batch_size
-            descs = []
-            for og, og_keys in enumerate(keys_per_og):
-                obj_desc = []
-                for ci, key in enumerate(og_keys):
-                    obj = sm.objs.get(key)
-                    batch_end_tok = min((ci // bs + 1) * bs, cell.num_chunks) * C
-                    in_window = og_window[og] < 1 or ci >= cell.num_chunks - og_window[og]
-                    obj_desc.append({"ptr": obj.data_ptr if obj else -1,
-                                     "address": obj.meta.address if obj else -1,
-                                     "size": obj.get_size() if obj else 0, "copied": obj is not None,
-                                     "copied_h2d": obj is not None and batch_end_tok > skip_tokens
-                                     and in_window})
-                descs.append(obj_desc)
-            page = full_fa_seg // k if fa_seg else None
-            d2h, h2d = {}, {}
-            for og, obj_desc in enumerate(descs):
-                others = [o for g2, d in enumerate(descs) if g2 != og for o in d if o["size"]]
-                og_fa = fa_seg[1:] if fa_seg and fa_seg[0] == og else None
-                d2h_og = recorder.analyse("d2h", obj_desc, og_fa, page, k, elsewhere=others)
-                h2d_og = recorder.analyse("h2d", [dict(o, copied=o["copied_h2d"]) for o in obj_desc], og_fa,
-                                          page, k, elsewhere=others)
-                if len(descs) == 1:
-                    d2h, h2d = d2h_og, h2d_og
-                else:
-                    d2h[f"object_group_{og}"], h2d[f"object_group_{og}"] = d2h_og, h2d_og
-            if len(descs) > 1:
-                for side in (d2h, h2d):
-                    per_og = [v for v in side.values() if isinstance(v, dict)]
-                    side["ok"] = all(v["ok"] for v in per_og)
-                    side["problems"] = [p for v in per_og for p in v["problems"]]
-                    fa_side = [v for v in per_og if "fa_per_page_tiling" in v]
-                    if fa_side:
-                        side["fa_per_page_tiling"] = fa_side[0]["fa_per_page_tiling"]
-            g["copies"] = {"d2h": d2h, "h2d": h2d, "ok": d2h["ok"] and h2d["ok"],
-                           "paths_seen": sorted({r["path"] for r in recorder.records})}
-            g["ok"] = g["frozen_meta"]["ok"] and g["copies"]["ok"]
+        g = _guard_report(plan, sizes, reg, sm, host, recorder, req.skip_tokens, guards)
         result["guards"] = g
-        result["segments_layout"] = seg_info
-        fa_bytes = (full_fa_seg * cell.num_chunks)
+        result["segments_layout"] = host.seg_info
+        fa_bytes = (sizes.full_fa_seg * cell.num_chunks)
         result["timings"] = {"store_s": store_s, "retrieve_s": retrieve_s,
                              "store_retrieve_s": [a + b for a, b in zip(store_s, retrieve_s)],
                              "fa_bytes_per_rep": fa_bytes,
@@ -858,41 +1135,9 @@ def run_cell(cell: Cell, opts: Options) -> dict:
 
         # ---- dump for out-of-process checks ----
         if opts.dump_dir:
-            _dump(Path(opts.dump_dir), cell, geo, src, sm, keys_per_og, result)
+            _dump(Path(opts.dump_dir), cell, plan.geo, src, sm, host.keys_per_og, result)
 
-        # ---- verdict ----
-        reasons = []
-        if not result["store_ok"]:
-            reasons.append("store failed")
-        if not result["retrieve_ok"]:
-            reasons.append("retrieve failed")
-        for kind, gr in groups.items():
-            if gr["fraction"] != 1.0:
-                reasons.append(f"{kind}: restored {gr['fraction']:.4f} of requested bytes")
-            if gr["slots_restored"] != gr["slots_expected"]:
-                reasons.append(f"{kind}: {gr['slots_restored']}/{gr['slots_expected']} expected slots restored")
-            if gr["not_restored_slots_wrong_bytes"]:
-                reasons.append(f"{kind}: {gr['not_restored_slots_wrong_bytes']} wrong bytes written into slots "
-                               "the server does not restore")
-            if gr["foreign_bytes"]:
-                reasons.append(f"{kind}: {gr['foreign_bytes']} foreign bytes written")
-            if gr["skipped_prefix_written_bytes"]:
-                reasons.append(f"{kind}: {gr['skipped_prefix_written_bytes']} bytes written into the skipped prefix")
-            if gr.get("object_ratio") != 1.0:
-                reasons.append(f"{kind}: host object segment is {gr.get('object_ratio')} of full size")
-        if src_mutated:
-            reasons.append(f"store mutated {src_mutated} source bytes")
-        if on_cuda:
-            taken = set(result["transfer"]["paths_taken"])
-            if taken != {cell.path}:
-                reasons.append(f"asked for the {cell.path} path, LMCache took {sorted(taken) or 'none'}")
-        if result["host_canary_damage_bytes"]:
-            reasons.append(f"{result['host_canary_damage_bytes']} host bytes written outside objects")
-        if opts.guards and not g["ok"]:
-            reasons.append("guard failure: " + "; ".join(g["frozen_meta"]["violations"][:3] +
-                                                          g["copies"]["d2h"]["problems"][:3] +
-                                                          g["copies"]["h2d"]["problems"][:3]))
-        result["verdict"] = {"pass": not reasons, "reasons": reasons}
+        result["verdict"] = _verdict(plan, result, groups, src_mutated, g)
     finally:
         mod.close()
         stack.close()

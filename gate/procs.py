@@ -1,7 +1,7 @@
 """Process supervision for the verification gates (stdlib only, no torch).
 
 The CPU restore gate starts real ``lmcache server`` processes with it, and the
-GPU gate reuses it for vLLM, so nothing here knows about either:
+engine gate reuses it for vLLM, so nothing here knows about either:
 
 * :class:`ManagedProcess` starts one command in its **own session and process
   group** (so a terminal's Ctrl-C reaches only the supervisor, which then

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate a tiny random-weight hybrid (GDN + full attention) checkpoint for the GPU gate.
+"""Generate a tiny random-weight hybrid (GDN + full attention) checkpoint for the engine gate.
 
 3 GDN ("linear_attention") layers + 1 full-attention layer with the real
 Qwen3.5-0.8B attention/GDN dimensions, so vLLM 0.27.1 picks the same 544-token

@@ -1,4 +1,4 @@
-"""The GPU gate's first-run bugs, each pinned against a stand-in.
+"""The engine gate's first-run bugs, each pinned against a stand-in.
 
 1. vLLM 0.27.1 leaves prefix caching off for a hybrid model unless asked, the
    Mamba cache mode then resolves to ``none`` and LMCache refuses the model:

@@ -1,4 +1,4 @@
-"""The GPU gate on vLLM 0.34: its default geometry, and its extensible KV cache.
+"""The engine gate on vLLM 0.34 (CUDA): its default geometry, and its extensible KV cache.
 
 Geometry: vLLM 0.34's default block 64 makes the Qwen3.5-0.8B-like hybrid's block 576 (9 FlashInfer
 pages of 64) under every GDN prefill backend, so the GPU profile's default follows the target's vLLM

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Stand-in for ``lmcache server`` (0.5.3 MP mode) for the GPU gate's CPU tests.
+"""Stand-in for ``lmcache server`` (0.5.3 MP mode) for the engine gate's CPU tests.
 
 Accepts the real command line (``--host/--port`` for the engine channel,
 ``--http-host/--http-port`` for ``/healthcheck``, ``/status``, ``/metrics``,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Stand-in for ``vllm serve`` (OpenAI server) for the GPU gate's CPU tests.
+"""Stand-in for ``vllm serve`` (OpenAI server) for the engine gate's CPU tests.
 
 Serves ``/health``, ``/metrics`` (vLLM 0.27.1 counter names, Prometheus text)
 and a streaming ``/v1/completions`` that takes token ids.  It spawns a child
