@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 

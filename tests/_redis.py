@@ -17,7 +17,6 @@ never passed silently.  Shared by every test that needs a Redis tier.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path

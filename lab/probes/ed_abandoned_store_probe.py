@@ -43,10 +43,8 @@ import random
 import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-_REPO = Path(__file__).resolve().parents[2]  # the gate package imports from here
 
 FORMAT = 1
 

@@ -54,10 +54,8 @@ import sys
 import time
 import urllib.request
 import uuid
-from pathlib import Path
 from typing import Any
 
-_REPO = Path(__file__).resolve().parents[2]  # the gate package imports from here
 
 FORMAT = 1
 

@@ -18,7 +18,6 @@ LMCACHE_PATCHTOOL_FULL=1.
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 

@@ -417,7 +417,6 @@ def test_identity_cells_round_trip_on_newer_releases(version):
     block 0 is vLLM's null block, and a 0.5.4+ server does not store a chunk
     whose ids are all 0, so ids from 0 failed even k = 1 there (retrieve
     failed: the chunk-0 object was never written)."""
-    import sys
 
     from lab import provision  # noqa: PLC0415
 

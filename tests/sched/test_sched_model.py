@@ -5,8 +5,6 @@ align-mode situation with a tiny block (N = 4)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 

@@ -11,7 +11,6 @@ patched with the shipped set, whose manifest lists 0.34.0 from the evidence
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -6,7 +6,6 @@ their own names and are summarised as extras."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,6 @@ which cell; a schema change refuses to merge."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.unit.test_import_graph import circles
+from tests.unit.test_import_graph import _resolve, circles
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("patchtool", "gate", "lab", "bench")
@@ -37,14 +37,6 @@ def modules(root: Path = REPO, packages: tuple[str, ...] = PACKAGES) -> dict[str
                 parts = parts[:-1]
             out[".".join(parts)] = path
     return out
-
-
-def _resolve(dotted: str, mods: dict[str, Path]) -> str | None:
-    parts = dotted.split(".")
-    for n in range(len(parts), 0, -1):
-        if ".".join(parts[:n]) in mods:
-            return ".".join(parts[:n])
-    return None
 
 
 def _is_sys_path(node: ast.AST) -> bool:
@@ -134,11 +126,11 @@ class ModuleFacts:
     def _add(self, dotted: str, mods, packages, siblings) -> None:
         top = dotted.split(".")[0]
         if top in packages:
-            t = _resolve(dotted, mods)
-            if t is None or (t != dotted and dotted not in mods and t == top and top != dotted):
-                self.unresolved.append(dotted)
+            # ``import a.b`` names a module: it resolves to a file or not at all
+            if dotted in mods:
+                self.imports.add(dotted)
             else:
-                self.imports.add(t)
+                self.unresolved.append(dotted)
         elif dotted in siblings:
             self.unresolved.append(f"{dotted} (a sibling file, found only through sys.path)")
 
@@ -234,6 +226,8 @@ def test_the_checker_sees_each_breach(tmp_path):
         "tool imports gate": ({"patchtool/runner.py": "import gate.procs\n"},
                               "patchtool/runner.py: the tool imports gate.procs"),
         "moved": ({"lab/sim.py": "from gate import gone\n"}, "lab/sim.py: imports gate.gone, which resolves to no file"),
+        "moved, imported whole": ({"lab/sim.py": "import gate.gone\n"},
+                                  "lab/sim.py: imports gate.gone, which resolves to no file"),
         "sibling": ({"lab/sim.py": "import other\n", "lab/other.py": ""},
                     "lab/sim.py: imports other (a sibling file, found only through sys.path), which resolves to no file"),
         "long": ({"gate/procs.py": "def f():\n" + "    x = 1\n" * MAX_UNIT_LINES},
