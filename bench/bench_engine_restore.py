@@ -117,7 +117,8 @@ TRACE = REPO / "bench" / "engine_trace.py"
 # the calls a breakdown names, in the order a restore meets them
 PHASES = ("Scheduler.schedule", "LMCacheMPConnector.get_num_new_matched_tokens",
           "LMCacheMPConnector.update_state_after_alloc", "LMCacheMPConnector.build_connector_meta",
-          "LMCacheMPConnector.start_load_kv", "LMCacheMPConnector.wait_for_layer_load",
+          "LMCacheMPConnector.start_load_kv", "EngineDrivenTransferContext._retrieve_sources",
+          "transfer_kv_per_object_group", "LMCacheMPConnector.wait_for_layer_load",
           "GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens", "LMCacheMPConnector.get_finished",
           "LMCacheMPConnector.wait_for_save")
 
@@ -162,7 +163,10 @@ def breakdown(events: list[dict], windows: list[tuple[str, float]]) -> list[dict
 
 
 def render_breakdown(rows_: list[dict]) -> str:
-    short = {n: n.split(".")[-1].replace("get_num_new_matched_tokens", "lookup") for n in PHASES}
+    # inside start_load_kv (engine-driven): the PREPARE_RETRIEVE round trip, the scatter
+    renamed = {"get_num_new_matched_tokens": "lookup", "_retrieve_sources": "ED prepare",
+               "transfer_kv_per_object_group": "ED scatter"}
+    short = {n: renamed.get(n.split(".")[-1], n.split(".")[-1]) for n in PHASES}
     head = f"{'prompt':>8} {'ttft':>7} {'polls':>5} {'to last poll':>12} " + " ".join(f"{short[n]:>12.12}" for n in PHASES)
     lines = ["where the restored TTFT went (ms inside each window; EngineCore + worker):", head]
     for r in rows_:

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""What the fs L2 object checksum (part 12-l2-checksum) costs, side by side.
+"""What the fs L2 object checksum (part 12-l2-checksum) costs, side by side; or, with
+``--part``, what another fs-adapter part changes (``--part 20-fs-load-jobs``: the load in one
+executor job per object, issue 39).
 
 Two long-lived workers run the REAL ``FSL2Adapter`` in a version's runtime
 venv, each in its own temporary directory on the same filesystem:
 
 * A -- the series WITHOUT 12-l2-checksum (upstream's adapter: no trailer,
-  no check);
+  no check), or without ``--part``;
 * B -- the series WITH it (blake3 trailer written on store, verified on load).
 
 Each round, each worker stores one request's objects (``--chunks`` chunks of
@@ -36,8 +38,9 @@ every object) and the retrieve.
 Prints medians, the ratios B/A, hash/copy, and the machine's load average
 before and after.  Usage:
 
-    .venv/bin/python bench/bench_l2_checksum.py [--version 0.5.6] [--rounds 7] [--chunks 16]
+    .venv/bin/python -m bench.bench_l2_checksum [--version 0.5.6] [--rounds 7] [--chunks 16]
                                                 [--server 3] [--json]
+    .venv/bin/python -m bench.bench_l2_checksum --part 20-fs-load-jobs --sizes 1310720 --chunks 26
 """
 
 from __future__ import annotations
@@ -154,18 +157,18 @@ def worker(base: Path, sizes: list[int], chunks: int, odirect: bool = False) -> 
 # ---------------------------------------------------------------------------
 
 
-def _series(root: Path, version: str, with_part: bool) -> list[Path]:
+def _series(root: Path, version: str, with_part: bool, part: str = PART) -> list[Path]:
     patches = sorted((root / version).glob("*.patch"))
-    if not any(p.stem == PART for p in patches):
-        raise SystemExit(f"bench_l2_checksum: {root / version} has no {PART}")
-    return [p for p in patches if with_part or p.stem != PART]
+    if not any(p.stem == part for p in patches):
+        raise SystemExit(f"bench_l2_checksum: {root / version} has no {part}")
+    return [p for p in patches if with_part or p.stem != part]
 
 
 def _start(version: str, with_part: bool, base: Path, args: argparse.Namespace) -> subprocess.Popen:
     from lab import provision  # noqa: PLC0415
 
     python = provision.runtime_env(version) / "bin" / "python"
-    overlay = provision.overlay(version, _series(Path(args.series_root), version, with_part))
+    overlay = provision.overlay(version, _series(Path(args.series_root), version, with_part, args.part))
     env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", LMCACHE_LOG_LEVEL="WARNING")
     argv = [str(python), __file__, "--worker", str(base), "--sizes", ",".join(map(str, args.sizes)),
             "--chunks", str(args.chunks)] + (["--odirect"] if args.odirect else [])
@@ -187,7 +190,7 @@ def _gate_once(version: str, with_part: bool, args: argparse.Namespace) -> dict[
     from lab import provision  # noqa: PLC0415
 
     python = provision.runtime_env(version) / "bin" / "python"
-    overlay = provision.overlay(version, _series(Path(args.series_root), version, with_part))
+    overlay = provision.overlay(version, _series(Path(args.series_root), version, with_part, args.part))
     env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", NO_COLOR="1")
     proc = subprocess.run([str(python), str(REPO / "gate" / "restore_gate.py"), "--json", "--quiet",
                            "--preset", "qwen35-0.8b", "--chunks", str(args.chunks), "--chunk-blocks", "1",
@@ -215,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the adapter's use_odirect: reads and writes bypass the page cache (the disk's speed)")
     ap.add_argument("--server", type=int, default=0, metavar="N",
                     help="also run the CPU restore gate N times per build (alternating)")
+    ap.add_argument("--part", default=PART,
+                    help="the part A goes without and B has (default %(default)s)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(x[field] for x in runs[name])
 
     total = runs["A"][0]["bytes"]
-    res = {"version": args.version, "rounds": args.rounds, "chunks": args.chunks, "sizes": args.sizes,
+    res = {"version": args.version, "part": args.part, "rounds": args.rounds, "chunks": args.chunks, "sizes": args.sizes,
            "odirect": args.odirect,
            "bytes_per_request": total, "cpus": os.cpu_count(),
            "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after],
@@ -279,9 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lmcache {args.version}{', O_DIRECT' if args.odirect else ', page cache'}, {args.chunks} chunks x "
           f"{args.sizes} B = {total / 2**20:.1f} MiB per request, "
           f"{args.rounds} rounds (ABBA), {res['cpus']} CPUs, load average {load_before[0]:.2f} -> {load_after[0]:.2f}")
-    print(f"  store   without check {m['without_store_s'] * 1e3:8.2f} ms ({gb / m['without_store_s']:5.2f} GB/s)   "
+    print(f"  A = without {args.part}, B = with it")
+    print(f"  store   without {m['without_store_s'] * 1e3:8.2f} ms ({gb / m['without_store_s']:5.2f} GB/s)   "
           f"with {m['with_store_s'] * 1e3:8.2f} ms   ratio {res['ratio']['store_with_over_without']:.3f}")
-    print(f"  load    without check {m['without_load_s'] * 1e3:8.2f} ms ({gb / m['without_load_s']:5.2f} GB/s)   "
+    print(f"  load    without {m['without_load_s'] * 1e3:8.2f} ms ({gb / m['without_load_s']:5.2f} GB/s)   "
           f"with {m['with_load_s'] * 1e3:8.2f} ms   ratio {res['ratio']['load_with_over_without']:.3f}")
     print(f"  CPU     store without {m['without_store_cpu_s'] * 1e3:8.2f} ms   with {m['with_store_cpu_s'] * 1e3:8.2f} ms"
           f"   ratio {res['ratio']['store_cpu_with_over_without']:.3f};   load without "

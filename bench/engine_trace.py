@@ -26,14 +26,21 @@ import sys
 import time
 
 _DIR = os.environ.get("LMCACHE_PATCHTOOL_TRACE_DIR")
+MODULE = ""  # a TARGETS key naming the module itself: its functions, not a class's methods
 
-# module -> class -> methods; the first positional argument named in REQ carries the request
+# module -> class (MODULE: the module itself) -> methods; the first positional argument named in
+# REQ carries the request
 TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm.v1.core.sched.scheduler": {"Scheduler": ("add_request", "schedule")},
     "vllm.v1.worker.gpu_model_runner": {"GPUModelRunner": ("execute_model", "sample_tokens")},
     "lmcache.integration.vllm.lmcache_mp_connector": {
         "LMCacheMPConnector": ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                                "start_load_kv", "wait_for_layer_load", "wait_for_save", "get_finished")},
+    # inside start_load_kv on the engine-driven path (patches/engine-driven): the PREPARE_RETRIEVE
+    # round trip with the staging region's mapping, then the scatter into the KV cache
+    "lmcache.v1.multiprocess.transfer_context.worker_transfer": {
+        "EngineDrivenTransferContext": ("_retrieve_sources",)},
+    "lmcache.v1.multiprocess.object_group_transfer": {MODULE: ("transfer_kv_per_object_group",)},
 }
 REQ = {"add_request", "get_num_new_matched_tokens", "update_state_after_alloc"}
 MARK = "_lmcache_patchtool_traced"
@@ -49,30 +56,32 @@ def _emit(name: str, t0: float, t1: float, req: str | None) -> None:
                            "t1": round(t1, 6), "r": req}) + "\n")
 
 
-def _wrap(cls: type, method: str) -> None:
-    fn = cls.__dict__.get(method)
+def _wrap(owner, method: str) -> None:  # noqa: ANN001 (a class, or a module for its functions)
+    is_class = isinstance(owner, type)
+    fn = owner.__dict__.get(method) if is_class else getattr(owner, method, None)
     if fn is None or getattr(fn, MARK, False):
         return
-    name = f"{cls.__name__}.{method}"
+    name = f"{owner.__name__}.{method}" if is_class else method
 
     @functools.wraps(fn)
-    def traced(self, *args, **kwargs):
+    def traced(*args, **kwargs):
         t0 = time.monotonic()
         try:
-            return fn(self, *args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
-            req = getattr(args[0], "request_id", None) if method in REQ and args else None
+            # methods: args[0] is self, the request the first argument after it
+            req = getattr(args[1], "request_id", None) if method in REQ and len(args) > 1 else None
             _emit(name, t0, time.monotonic(), req)
 
     setattr(traced, MARK, True)
-    setattr(cls, method, traced)
+    setattr(owner, method, traced)
 
 
 def _wrap_module(module) -> None:  # noqa: ANN001
     for cls_name, methods in TARGETS[module.__name__].items():
-        cls = getattr(module, cls_name, None)
-        for m in methods if cls is not None else ():
-            _wrap(cls, m)
+        owner = module if cls_name == MODULE else getattr(module, cls_name, None)
+        for m in methods if owner is not None else ():
+            _wrap(owner, m)
 
 
 if _DIR:

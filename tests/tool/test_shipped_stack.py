@@ -80,20 +80,22 @@ def test_apply_status_verify_crash_and_revert_the_shipped_stack(tmp_path, bare_e
 
 # Each revision appended one part: revision 2 zero-window-tail (03 on
 # 0.5.3/0.5.5/0.5.6, 04 on 0.5.4), revision 3 staging-regions (04; 05 on
-# 0.5.4).  Revision r is the shipped parts without those added after it.
-ADDED_BY_TOP = {2: "-zero-window-tail.patch", 3: "-staging-regions.patch"}
-SHIPPED_TOP_REVISION = max(ADDED_BY_TOP)
+# 0.5.4), revision 4 on 0.5.6 cpu-transfer (06; 0.5.3's revision 4 is its own
+# 05-state-chunk-ends, not modelled here).  Revision r is the shipped parts
+# without those added after it.
+ADDED_BY_TOP = {2: "-zero-window-tail.patch", 3: "-staging-regions.patch", 4: "-cpu-transfer.patch"}
+# the versions whose engine-driven set went through exactly these revisions, and their shipped one
+TOP_HISTORY = {"0.5.4": 3, "0.5.5": 3, "0.5.6": 4}
 
 
 def _upgrade_cases() -> list[tuple[str, int]]:
-    """CI: 0.5.4 from revision 2 (the revision installs have today);
-    LMCACHE_PATCHTOOL_FULL=1: every version from every earlier revision."""
-    # the versions whose engine-driven set went through these revisions
-    have = [v for v in _stacked_versions() if json.loads(
-        (REPO / "patches" / TOP / v / "manifest.json").read_text())["revision"] == SHIPPED_TOP_REVISION]
+    """CI: 0.5.4 from revision 2 and 0.5.6 from revision 3 (the revisions installs
+    have today); LMCACHE_PATCHTOOL_FULL=1: every such version from every earlier revision."""
+    have = [v for v in _stacked_versions() if v in TOP_HISTORY and json.loads(
+        (REPO / "patches" / TOP / v / "manifest.json").read_text())["revision"] == TOP_HISTORY[v]]
     if os.environ.get("LMCACHE_PATCHTOOL_FULL") == "1":
-        return [(v, r) for v in have for r in range(1, SHIPPED_TOP_REVISION)]
-    return [(v, SHIPPED_TOP_REVISION - 1) for v in have if v == "0.5.4"]
+        return [(v, r) for v in have for r in range(1, TOP_HISTORY[v])]
+    return [(v, TOP_HISTORY[v] - 1) for v in have if v in ("0.5.4", "0.5.6")]
 
 
 @pytest.mark.parametrize("version,older", _upgrade_cases() or [(None, None)],
@@ -107,7 +109,7 @@ def test_engine_driven_older_revision_install_upgrades_with_apply(tmp_path, bare
         pytest.skip("no patches/engine-driven/<version>/manifest.json committed yet")
     shipped = REPO / "patches" / TOP / version
     manifest = json.loads((shipped / "manifest.json").read_text())
-    assert manifest["revision"] == SHIPPED_TOP_REVISION
+    assert manifest["revision"] == TOP_HISTORY[version]
     root = tmp_path / f"r{older}"
     shutil.copytree(REPO / "patches" / BASE, root / BASE)
     older_dir = root / TOP / version

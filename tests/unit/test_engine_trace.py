@@ -29,6 +29,10 @@ STANDINS = {
         "class Scheduler:\n"
         "    def add_request(self, request):\n        return request.request_id\n"
         "    def schedule(self):\n        return 'out'\n"),
+    # a module-level function the trace wraps (the engine-driven scatter)
+    "lmcache/__init__.py": "", "lmcache/v1/__init__.py": "", "lmcache/v1/multiprocess/__init__.py": "",
+    "lmcache/v1/multiprocess/object_group_transfer.py": (
+        "def transfer_kv_per_object_group(*args, **kwargs):\n        return 'scattered'\n"),
 }
 
 PROGRAM = """
@@ -44,6 +48,8 @@ except AttributeError:
 print(lib.LLVMPY_Version)
 s = Scheduler()
 print(s.add_request(types.SimpleNamespace(request_id="req-7")), s.schedule())
+from lmcache.v1.multiprocess import object_group_transfer as ogt
+print(ogt.transfer_kv_per_object_group(1, 2, direction="H2D"))
 """
 
 
@@ -64,12 +70,13 @@ def _run(tmp_path: Path, trace: bool) -> tuple[list[str], list[dict]]:
 
 def test_trace_records_each_call_with_its_request(tmp_path):
     out, events = _run(tmp_path, trace=True)
-    assert out[:3] == ["dunder refused", "LLVMPY_Version", "req-7 out"]  # the shim's fix, the calls' results
-    assert [(e["f"], e["r"]) for e in events] == [("Scheduler.add_request", "req-7"), ("Scheduler.schedule", None)]
+    assert out[:4] == ["dunder refused", "LLVMPY_Version", "req-7 out", "scattered"]  # the shim's fix, the results
+    assert [(e["f"], e["r"]) for e in events] == [("Scheduler.add_request", "req-7"), ("Scheduler.schedule", None),
+                                                  ("transfer_kv_per_object_group", None)]
     assert all(e["t1"] >= e["t0"] for e in events)
 
 
 def test_without_the_variable_nothing_is_wrapped(tmp_path):
     out, events = _run(tmp_path, trace=False)
-    assert out[:3] == ["dunder refused", "LLVMPY_Version", "req-7 out"]
+    assert out[:4] == ["dunder refused", "LLVMPY_Version", "req-7 out", "scattered"]
     assert events == []
