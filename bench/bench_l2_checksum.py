@@ -132,6 +132,13 @@ def worker(base: Path, sizes: list[int], chunks: int, odirect: bool = False) -> 
             t_store, c_store = time.perf_counter() - t0, time.process_time() - c0
             if int(result) < 0:  # L2StoreResult: -1 on failure
                 raise SystemExit(f"bench worker: store failed in {base}")
+            # the lookup a prefetch makes first (every key's file checked), then its unlock
+            t0 = time.perf_counter()
+            found = _wait(adapter.query_lookup_and_lock_result, adapter.submit_lookup_and_lock_task(ks, {}))
+            t_lookup = time.perf_counter() - t0
+            adapter.submit_unlock(ks)
+            if len(found.get_indices_list()) != len(ks):
+                raise SystemExit(f"bench worker: the lookup found {len(found.get_indices_list())} of {len(ks)} in {base}")
             t0, c0 = time.perf_counter(), time.process_time()
             bitmap = _wait(adapter.query_load_result, adapter.submit_load_task(ks, dst))
             t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
@@ -139,8 +146,8 @@ def worker(base: Path, sizes: list[int], chunks: int, odirect: bool = False) -> 
                 raise SystemExit(f"bench worker: {len(ks) - len(bitmap.get_indices_list())} loads missed in {base}")
             for p in base.glob("*.data"):
                 p.unlink()
-            out: dict[str, Any] = {"store_s": t_store, "load_s": t_load, "store_cpu_s": c_store,
-                                   "load_cpu_s": c_load, "bytes": total}
+            out: dict[str, Any] = {"store_s": t_store, "lookup_s": t_lookup, "load_s": t_load,
+                                   "store_cpu_s": c_store, "load_cpu_s": c_load, "bytes": total}
             if checked:  # the hash, a copy, and two stdlib checksums over the same bytes
                 views = [o.byte_array for o in src]
                 out["blake3_s"] = timed(lambda: [fsa._object_digest("x", v) for v in views])
@@ -261,10 +268,11 @@ def main(argv: list[str] | None = None) -> int:
            "bytes_per_request": total, "cpus": os.cpu_count(),
            "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after],
            "median_s": {f"{w}_{f}": round(med(n, f), 5) for n, w in (("A", "without"), ("B", "with"))
-                        for f in ("store_s", "load_s", "store_cpu_s", "load_cpu_s")}}
+                        for f in ("store_s", "lookup_s", "load_s", "store_cpu_s", "load_cpu_s")}}
     for f in ("blake3_s", "copy_s", "sha256_s", "crc32_s"):
         res["median_s"][f] = round(med("B", f), 5)
     res["ratio"] = {"store_with_over_without": round(med("B", "store_s") / med("A", "store_s"), 3),
+                    "lookup_with_over_without": round(med("B", "lookup_s") / med("A", "lookup_s"), 3),
                     "load_with_over_without": round(med("B", "load_s") / med("A", "load_s"), 3),
                     "store_cpu_with_over_without": round(med("B", "store_cpu_s") / med("A", "store_cpu_s"), 3),
                     "load_cpu_with_over_without": round(med("B", "load_cpu_s") / med("A", "load_cpu_s"), 3),
@@ -287,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  A = without {args.part}, B = with it")
     print(f"  store   without {m['without_store_s'] * 1e3:8.2f} ms ({gb / m['without_store_s']:5.2f} GB/s)   "
           f"with {m['with_store_s'] * 1e3:8.2f} ms   ratio {res['ratio']['store_with_over_without']:.3f}")
+    print(f"  lookup  without {m['without_lookup_s'] * 1e3:8.2f} ms                  "
+          f"with {m['with_lookup_s'] * 1e3:8.2f} ms   ratio {res['ratio']['lookup_with_over_without']:.3f}")
     print(f"  load    without {m['without_load_s'] * 1e3:8.2f} ms ({gb / m['without_load_s']:5.2f} GB/s)   "
           f"with {m['with_load_s'] * 1e3:8.2f} ms   ratio {res['ratio']['load_with_over_without']:.3f}")
     print(f"  CPU     store without {m['without_store_cpu_s'] * 1e3:8.2f} ms   with {m['with_store_cpu_s'] * 1e3:8.2f} ms"
