@@ -87,7 +87,7 @@ def _wait(poll, task_id: int) -> Any:
         time.sleep(0.0002)  # polling costs both builds alike
 
 
-def worker(base: Path, sizes: list[int], chunks: int, odirect: bool = False) -> None:
+def worker(base: Path, sizes: list[int], chunks: int, odirect: bool = False, fresh_dst: bool = False) -> None:
     import hashlib  # noqa: PLC0415
     import zlib  # noqa: PLC0415
 
@@ -139,6 +139,8 @@ def worker(base: Path, sizes: list[int], chunks: int, odirect: bool = False) -> 
             adapter.submit_unlock(ks)
             if len(found.get_indices_list()) != len(ks):
                 raise SystemExit(f"bench worker: the lookup found {len(found.get_indices_list())} of {len(ks)} in {base}")
+            if fresh_dst:  # never-touched buffers: the load's first write to each page faults
+                dst = [_Obj(len(o.mem)) for o in src]
             t0, c0 = time.perf_counter(), time.process_time()
             bitmap = _wait(adapter.query_load_result, adapter.submit_load_task(ks, dst))
             t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
@@ -178,7 +180,8 @@ def _start(version: str, with_part: bool, base: Path, args: argparse.Namespace) 
     overlay = provision.overlay(version, _series(Path(args.series_root), version, with_part, args.part))
     env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", LMCACHE_LOG_LEVEL="WARNING")
     argv = [str(python), __file__, "--worker", str(base), "--sizes", ",".join(map(str, args.sizes)),
-            "--chunks", str(args.chunks)] + (["--odirect"] if args.odirect else [])
+            "--chunks", str(args.chunks)] + (["--odirect"] if args.odirect else []) \
+        + (["--fresh-dst"] if args.fresh_dst else [])
     return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, env=env)
 
@@ -225,13 +228,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="the adapter's use_odirect: reads and writes bypass the page cache (the disk's speed)")
     ap.add_argument("--server", type=int, default=0, metavar="N",
                     help="also run the CPU restore gate N times per build (alternating)")
+    ap.add_argument("--fresh-dst", action="store_true",
+                    help="load into new, never-touched buffers each round (as a server's first restore does)")
     ap.add_argument("--part", default=PART,
                     help="the part A goes without and B has (default %(default)s)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(Path(args.worker), args.sizes, args.chunks, args.odirect)
+        worker(Path(args.worker), args.sizes, args.chunks, args.odirect, args.fresh_dst)
         return 0
 
     load_before = os.getloadavg()
@@ -263,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(x[field] for x in runs[name])
 
     total = runs["A"][0]["bytes"]
-    res = {"version": args.version, "part": args.part, "rounds": args.rounds, "chunks": args.chunks, "sizes": args.sizes,
+    res = {"version": args.version, "part": args.part, "fresh_dst": args.fresh_dst, "rounds": args.rounds, "chunks": args.chunks, "sizes": args.sizes,
            "odirect": args.odirect,
            "bytes_per_request": total, "cpus": os.cpu_count(),
            "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after],
