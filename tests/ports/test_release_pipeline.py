@@ -28,8 +28,9 @@ def test_056_parts_on_057rc2_wheel(tmp_path):
     doc = report(tmp_path, "0.5.7rc2", "0.5.6")
     got = {(r["set"], r["part"]): r for r in doc["port_report"]}
     applies = {k[1] for k, r in got.items() if r["applies"] and k[0] == "hybrid-fa"}
+    # 20-fs-load-jobs: 0.5.7rc2's fs adapter load and lookup are 0.5.6's (docs/ports.md, issue 39)
     assert applies == {"01-staging-views", "04-dcp-guard", "05-layout-keys", "09-padded-block-stride",
-                       "12-l2-checksum", "16-native-l2-size-batches"}
+                       "12-l2-checksum", "16-native-l2-size-batches", "20-fs-load-jobs"}
     assert got[("hybrid-fa", "02-page-ratio")]["failed_hunks"] == {
         "lmcache/v1/multiprocess/modules/lmcache_driven_transfer.py": "1 of 3"}
     assert got[("hybrid-fa", "03-block-id-resync")]["failed_hunks"] == {
