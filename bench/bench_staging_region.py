@@ -42,11 +42,10 @@ INNER_ENV = "LMCACHE_PATCHTOOL_BENCH_STAGING_INNER"
 
 
 def outer(args: argparse.Namespace, argv: list[str]) -> int:
-    from lab import provision  # noqa: PLC0415
+    from lab import provision, vllm_cells  # noqa: PLC0415
 
-    patches = [p for s in ("hybrid-fa", "engine-driven")
-               for p in sorted((REPO / "patches" / s / args.version).glob("*.patch"))]
-    if not any(p.parent.parent.name == "engine-driven" for p in patches):
+    patches = vllm_cells.stacked_patches(args.version)  # hybrid-fa, then engine-driven
+    if patches is None:
         raise SystemExit(f"bench_staging_region: no engine-driven set for {args.version}")
     overlay = provision.overlay(args.version, patches)
     python = provision.runtime_env(args.version) / "bin" / "python"
