@@ -7,7 +7,6 @@ Owns ``RunRequests`` for ``GateRun`` (gate/engine_gate.py); the arms
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from gate import engine_client as client
@@ -16,7 +15,7 @@ from gate import engine_prompt as gp
 from gate import engine_servers as gs
 from gate.engine_run_env import RunEnv
 from gate.engine_run_state import EngineRefused, GateAbort
-from gate.l2_tier import RespTier  # stdlib; redis-py only when used
+from gate.l2_tier import RespTier, files_under  # stdlib; redis-py only when used
 
 
 class RunRequests(RunEnv):
@@ -111,8 +110,8 @@ class RunRequests(RunEnv):
                 objs = RespTier.from_url(self.cfg.redis_url).all_objects()
                 files, size = objs, sum(o.size for o in objs)
             else:
-                files = [f for f in Path(l2_dir).rglob("*") if f.is_file()]
-                size = sum(f.stat().st_size for f in files)
+                found = files_under(l2_dir)  # a .tmp renamed meanwhile is skipped
+                files, size = list(found), sum(found.values())
             state = (sub, done, len(files), size)
             settled = bool(files) and (done is None or (done > 0 and (sub is None or done >= sub)))
             now = time.monotonic()

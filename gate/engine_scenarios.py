@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gate.l2_tier import files_under
+
 FOLLOWUPS = ("mid-step", "continuation")
 FIRST = "first"
 MID_STEP = "mid-step"
@@ -107,9 +109,12 @@ def l2_listing(root: str | Path) -> dict[str, tuple[int, str]]:
     """Every file under the L2 directory: relative path -> (size, sha256)."""
     out: dict[str, tuple[int, str]] = {}
     base = Path(root)
-    for f in sorted(base.rglob("*")):
-        if f.is_file():
-            out[str(f.relative_to(base))] = (f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest())
+    for f in files_under(base):
+        try:
+            data = f.read_bytes()
+        except FileNotFoundError:  # a .tmp renamed since the listing
+            continue
+        out[str(f.relative_to(base))] = (len(data), hashlib.sha256(data).hexdigest())
     return out
 
 

@@ -66,6 +66,25 @@ def _of_model(name: str, model: str) -> bool:
     return field == model or field.startswith(model + "+")
 
 
+def files_under(root: Path | str) -> dict[Path, int]:
+    """Every file under ``root`` with its size, as found now.
+
+    The fs adapter writes ``<name>.tmp`` and renames it to ``<name>.data``, so
+    a ``.tmp`` listed by ``rglob`` can be gone by the time it is stat'ed.  Such
+    a file is left out (its ``.data`` shows up on the next listing) rather than
+    aborting the caller: the gate polls this while stores are in flight.
+    """
+    out: dict[Path, int] = {}
+    for f in sorted(Path(root).rglob("*")):
+        try:
+            st = f.stat()
+        except FileNotFoundError:
+            continue
+        if os.path.isfile(f) and not f.is_symlink():
+            out[f] = st.st_size
+    return out
+
+
 class FsTier:
     """LMCache's ``fs`` adapter over one directory (written as .tmp, renamed to .data)."""
 

@@ -90,7 +90,9 @@ def main() -> None:
         if mode == "noflush":
             return
         for h, ids in items:
-            tmp = l2_path(h).with_suffix(".tmp")
+            # One .tmp per writer thread: two flushes of one hash must not
+            # rename each other's file (LMCache's adapter is per-object too).
+            tmp = l2_dir / f"{h}.{threading.get_ident()}.tmp"
             tmp.write_text(json.dumps(ids))
             tmp.rename(l2_path(h))
         inc("l2_store_completed", len(items))
