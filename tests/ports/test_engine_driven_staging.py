@@ -158,6 +158,38 @@ def test_staging_regions_carry_the_bytes_are_reused_and_leave_no_name(version):
     (store,), (retrieve,) = store_regions, retrieve_regions
     assert store.startswith(f"lmcache_ed_staging_{doc['worker_pid']}_"), store
     assert retrieve.startswith(f"lmcache_ed_staging_{doc['server_pid']}_"), retrieve
+    if _has_warm_start(version):
+        # Warm start (part 07): both regions were made and handed over at the
+        # registration, and the rounds use those (no region made per request).
+        reg = doc["after_register"]
+        assert (reg["store_region"], reg["retrieve_region"]) == (store, retrieve), reg
+
+
+def _has_warm_start(version: str) -> bool:
+    return (REPO / "patches" / "engine-driven" / version / "07-warm-staging.patch").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", [v for v in _versions() if _has_warm_start(v)] or [None])
+@pytest.mark.parametrize("older", ["server", "worker"])
+def test_a_peer_without_warm_start_keeps_staging_and_links_no_name(version, older):
+    """One side of revision 5 (part 07-warm-staging), the other of revision 4:
+    staging regions still carry the bytes, made at the first transfer as
+    before, and no name waits in /dev/shm for a peer that never maps it (a
+    revision-4 worker offers no warm store region, so the server makes no warm
+    retrieve region for it)."""
+    if version is None:
+        pytest.skip("no engine-driven series with 07-warm-staging")
+    parts = [p["file"] for p in json.loads((REPO / "patches" / "engine-driven" / version / "manifest.json")
+                                           .read_text())["patches"] if p["file"] != "07-warm-staging.patch"]
+    new = revision3_overlay(version)
+    old = provision.overlay(version, _series("hybrid-fa", version) + _series("engine-driven", version, parts))
+    worker, server = (new, old) if older == "server" else (old, new)
+    doc = run_probe(version, worker, "--server-overlay", str(server))
+    assert_restores_and_no_names_left(doc, "staging")
+    reg = doc["after_register"]
+    assert reg["store_region"] is None and reg["retrieve_region"] is None, reg
+    assert len({r["after_retrieve"]["retrieve_region"] for r in doc["rounds"]}) == 1, doc["rounds"]
 
 
 @pytest.mark.slow

@@ -81,11 +81,12 @@ def test_apply_status_verify_crash_and_revert_the_shipped_stack(tmp_path, bare_e
 # Each revision appended one part: revision 2 zero-window-tail (03 on
 # 0.5.3/0.5.5/0.5.6, 04 on 0.5.4), revision 3 staging-regions (04; 05 on
 # 0.5.4), revision 4 on 0.5.6 cpu-transfer (06; 0.5.3's revision 4 is its own
-# 05-state-chunk-ends, not modelled here).  Revision r is the shipped parts
-# without those added after it.
-ADDED_BY_TOP = {2: "-zero-window-tail.patch", 3: "-staging-regions.patch", 4: "-cpu-transfer.patch"}
+# 05-state-chunk-ends, not modelled here), revision 5 on 0.5.6 warm-staging
+# (07).  Revision r is the shipped parts without those added after it.
+ADDED_BY_TOP = {2: "-zero-window-tail.patch", 3: "-staging-regions.patch", 4: "-cpu-transfer.patch",
+                5: "-warm-staging.patch"}
 # the versions whose engine-driven set went through exactly these revisions, and their shipped one
-TOP_HISTORY = {"0.5.4": 3, "0.5.5": 3, "0.5.6": 4}
+TOP_HISTORY = {"0.5.4": 3, "0.5.5": 3, "0.5.6": 5}
 
 
 def _upgrade_cases() -> list[tuple[str, int]]:
