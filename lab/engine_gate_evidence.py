@@ -92,10 +92,11 @@ SCENARIOS: dict[str, dict] = {
                            "what": "negative control: the stored GDN state zeroed and its checksum trailer "
                                    "re-signed, so LMCache serves it: a wrong-state restore the answer must show"},
     "hybrid-swapped-resigned": {"model": "hybrid-640", "version": "0.5.6", "sets": STACK,
-                                "args": ["--max-num-batched-tokens", "0"], "damage": "swap --group 1 --resign",
+                                "args": ["--max-num-batched-tokens", "0"],
+                                "damage": "swap-keys --group 1 --resign",
                                 "control": None, "expect": "fail",
-                                "what": "negative control: the attention KV of two chunks exchanged and "
-                                        "re-signed: real KV served at the wrong position"},
+                                "what": "negative control: the attention keys of two chunks exchanged (values "
+                                        "kept) and re-signed: real KV bytes served at the wrong position"},
     "attn-bs128": {"model": "attn", "version": "0.5.6", "sets": (), "control": None, "expect": "pass",
                    "args": ["--block-size", "128", "--vllm-block-size", "128"],
                    "what": "pure attention, pristine 0.5.6, block 128"},

@@ -9,6 +9,8 @@ tier), stdlib only::
     python -m lab.engine_l2_damage flip  [--match REGEX] DIR   # one bit-rotted byte per object
     python -m lab.engine_l2_damage swap  [--match REGEX] DIR   # wrong state: objects of two chunks
                                                                   # exchange their bytes
+    python -m lab.engine_l2_damage swap-keys [--match REGEX] DIR  # two attention objects exchange
+                                                                  # their keys, keep their values
 
 ``--match`` selects objects by a regular expression on the file name (default:
 every ``*.data`` file); ``--group N`` selects one object group of a hybrid's
@@ -19,7 +21,15 @@ group 1 the attention KV, one object per chunk).
 ``swap`` exchanges the content of same-size objects pairwise (chunk i gets
 chunk j's bytes): the restore then serves a real, well-formed state from
 another position, which only a verdict that compares against a reference can
-catch.  Prints one line per object touched; exits 1 when nothing matched.
+catch.  For attention KV a whole exchange is invisible in principle when every
+chunk is restored: vLLM caches keys after the rotary embedding, so each key
+keeps its own position, and full attention sums over the same (key, value)
+pairs in another order (the logprobs can move by float rounding only, or not
+at all: float addition commutes).  ``swap-keys`` therefore exchanges only the
+keys, the first half of an attention object (LMCache's ``[2 (K, V), layers,
+tokens, hidden]`` layout), and leaves each chunk its values: every query then
+meets keys whose values belong to other tokens, which the answer shows.
+Prints one line per object touched; exits 1 when nothing matched.
 
 A build with the object checksum trailer (hybrid-fa part ``l2-checksum``)
 serves every such object as a miss: the gate then fails on the hit count.
@@ -75,7 +85,7 @@ def zero(path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["zero", "flip", "swap"])
+    ap.add_argument("mode", choices=["zero", "flip", "swap", "swap-keys"])
     ap.add_argument("l2_dir", type=Path)
     ap.add_argument("--match", help="regular expression on the object file name")
     ap.add_argument("--group", type=int, help="only this object group (the name's third @ field)")
@@ -87,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if not files:
         print(f"{args.l2_dir}: no object matches {args.match!r}", file=sys.stderr)
         return 1
-    if args.mode == "swap":
+    if args.mode in ("swap", "swap-keys"):
         by_size: dict[int, list[Path]] = {}
         for f in files:
             by_size.setdefault(f.stat().st_size, []).append(f)
@@ -99,13 +109,15 @@ def main(argv: list[str] | None = None) -> int:
             da, db = a.read_bytes(), b.read_bytes()
             if da == db:
                 continue
-            # the KV bytes change places, each file keeps its own trailer (then re-signed or not)
+            # the KV bytes change places (swap-keys: the key half only), each file
+            # keeps its own trailer (then re-signed or not)
             ka, kb = to.kv_bytes(a), to.kv_bytes(b)
-            a.write_bytes(kb + da[len(ka):])
-            b.write_bytes(ka + db[len(kb):])
+            cut = len(ka) // 2 if args.mode == "swap-keys" else len(ka)
+            a.write_bytes(kb[:cut] + ka[cut:] + da[len(ka):])
+            b.write_bytes(ka[:cut] + kb[cut:] + db[len(kb):])
             if args.resign:
                 resign(a), resign(b)
-            print(f"swapped {a.name} <-> {b.name}")
+            print(f"swapped {'the keys of ' if cut < len(ka) else ''}{a.name} <-> {b.name}")
         return 0
     for f in files:
         if args.mode == "zero":

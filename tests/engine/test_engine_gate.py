@@ -92,7 +92,9 @@ def test_stacked_056_hybrid_multiblock_other_cpu_geometry(tmp_path, engine_pytho
 @pytest.mark.parametrize("damage,failing", [
     ("zero --group 0", "external_hits"),  # the checksum trailer turns a damaged object into a miss
     ("zero --group 0 --resign", "restore_matches_warm"),  # a wrong GDN state, served
-    ("swap --group 1 --resign", "restore_matches_warm"),  # real attention KV at the wrong position
+    # real attention keys at the wrong position (a whole K/V exchange is invisible to full
+    # attention: lab/engine_l2_damage.py)
+    ("swap-keys --group 1 --resign", "restore_matches_warm"),
     ("flip --group 1 --resign", "restore_matches_warm"),  # one rotten byte per attention object
 ])
 def test_damaged_tier_fails(tmp_path, engine_python, hybrid_model, damage, failing):
