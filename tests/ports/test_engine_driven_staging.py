@@ -12,7 +12,11 @@ in /dev/shm after every STORE and RETRIEVE.
 * the worker's probe not readable by the server (a server on another host):
   object bytes over the message queue, restores byte-exact, no name left;
 * a peer on revision 2 (server or worker): the same fallback, both ways, so
-  the two sides of a deployment can be upgraded one at a time.
+  the two sides of a deployment can be upgraded one at a time;
+* with part 07-warm-staging (0.5.6, revision 5) both regions exist right
+  after the registration and every round reuses them; a peer on revision 4
+  (either side) still stages, makes its regions at the first transfer and
+  leaves no name in /dev/shm.
 
 Revision 2's series is the one the manifest's ``previous_revisions`` names
 (the test checks those parts are unchanged in the shipped directory).
