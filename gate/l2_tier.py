@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -77,10 +78,10 @@ def files_under(root: Path | str) -> dict[Path, int]:
     out: dict[Path, int] = {}
     for f in sorted(Path(root).rglob("*")):
         try:
-            st = f.stat()
+            st = f.lstat()  # one call: a regular file (not a link) and its size
         except FileNotFoundError:
             continue
-        if os.path.isfile(f) and not f.is_symlink():
+        if stat.S_ISREG(st.st_mode):
             out[f] = st.st_size
     return out
 

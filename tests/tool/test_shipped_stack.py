@@ -90,7 +90,7 @@ TOP_HISTORY = {"0.5.4": 3, "0.5.5": 3, "0.5.6": 5}
 
 
 def _upgrade_cases() -> list[tuple[str, int]]:
-    """CI: 0.5.4 from revision 2 and 0.5.6 from revision 3 (the revisions installs
+    """CI: 0.5.4 from revision 2 and 0.5.6 from revision 4 (the revisions installs
     have today); LMCACHE_PATCHTOOL_FULL=1: every such version from every earlier revision."""
     have = [v for v in _stacked_versions() if v in TOP_HISTORY and json.loads(
         (REPO / "patches" / TOP / v / "manifest.json").read_text())["revision"] == TOP_HISTORY[v]]
