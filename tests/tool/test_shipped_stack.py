@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 from lab import provision
 import pytest
@@ -78,19 +79,35 @@ def test_apply_status_verify_crash_and_revert_the_shipped_stack(tmp_path, bare_e
     assert tree_hashes(site, SKIP) == pristine  # files and RECORD, byte for byte
 
 
-# Each revision appended one part: revision 2 zero-window-tail (03 on
+# Revisions 2-5 each appended one part: revision 2 zero-window-tail (03 on
 # 0.5.3/0.5.5/0.5.6, 04 on 0.5.4), revision 3 staging-regions (04; 05 on
 # 0.5.4), revision 4 on 0.5.6 cpu-transfer (06; 0.5.3's revision 4 is its own
 # 05-state-chunk-ends, not modelled here), revision 5 on 0.5.6 warm-staging
 # (07).  Revision r is the shipped parts without those added after it.
 ADDED_BY_TOP = {2: "-zero-window-tail.patch", 3: "-staging-regions.patch", 4: "-cpu-transfer.patch",
                 5: "-warm-staging.patch"}
+# Revision 6 on 0.5.6 changed parts 06 and 07 in place (the window tail only,
+# one warm-mapping helper) and added none.  The revision-5 text of those parts,
+# what installs of revisions 4 and 5 carry, is kept here so that those
+# revisions can still be rebuilt: {version: (first revision without it, dir)}.
+OLDER_PARTS = {"0.5.6": (6, Path(__file__).parent / "older_parts" / "engine-driven-0.5.6-r5")}
 # the versions whose engine-driven set went through exactly these revisions, and their shipped one
-TOP_HISTORY = {"0.5.4": 3, "0.5.5": 3, "0.5.6": 5}
+TOP_HISTORY = {"0.5.4": 3, "0.5.5": 3, "0.5.6": 6}
+
+
+def _older_parts(version: str, shipped: Path, older: int) -> list[Path]:
+    """The part files of ``older``: the shipped ones, with the texts changed
+    in place since (OLDER_PARTS), less the parts added after it."""
+    later = tuple(suffix for rev, suffix in ADDED_BY_TOP.items() if rev > older)
+    parts = {p.name: p for p in shipped.glob("*.patch")}
+    first_without, kept = OLDER_PARTS.get(version, (older + 1, None))
+    if kept is not None and older < first_without:
+        parts.update({p.name: p for p in kept.glob("*.patch")})
+    return [parts[name] for name in sorted(parts) if not name.endswith(later)]
 
 
 def _upgrade_cases() -> list[tuple[str, int]]:
-    """CI: 0.5.4 from revision 2 and 0.5.6 from revision 4 (the revisions installs
+    """CI: 0.5.4 from revision 2 and 0.5.6 from revision 5 (the revisions installs
     have today); LMCACHE_PATCHTOOL_FULL=1: every such version from every earlier revision."""
     have = [v for v in _stacked_versions() if v in TOP_HISTORY and json.loads(
         (REPO / "patches" / TOP / v / "manifest.json").read_text())["revision"] == TOP_HISTORY[v]]
@@ -115,10 +132,8 @@ def test_engine_driven_older_revision_install_upgrades_with_apply(tmp_path, bare
     shutil.copytree(REPO / "patches" / BASE, root / BASE)
     older_dir = root / TOP / version
     older_dir.mkdir(parents=True)
-    later = tuple(suffix for rev, suffix in ADDED_BY_TOP.items() if rev > older)
-    for p in sorted(shipped.glob("*.patch")):
-        if not p.name.endswith(later):
-            shutil.copy2(p, older_dir / p.name)
+    for p in _older_parts(version, shipped, older):
+        shutil.copy2(p, older_dir / p.name)
     r = cli("manifest", "build", str(older_dir), "--wheel", str(provision.wheel(version)),
             "--revision", str(older), "--requires", BASE, "--json")
     assert r.rc == 0, r.err
