@@ -40,7 +40,10 @@ before and after.  Usage:
 
     .venv/bin/python -m bench.bench_l2_checksum [--version 0.5.6] [--rounds 7] [--chunks 16]
                                                 [--server 3] [--json]
-    .venv/bin/python -m bench.bench_l2_checksum --part 20-fs-load-jobs --sizes 1310720 --chunks 26
+    .venv/bin/python -m bench.bench_l2_checksum --part 20-fs-load-jobs --sizes 1310720 --chunks 26 [--busy 2]
+
+``--busy N`` runs N processes that spin on the CPU beside the counted rounds: on
+2 cores, the two engine processes a server's prefetch competes with.
 """
 
 from __future__ import annotations
@@ -230,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the CPU restore gate N times per build (alternating)")
     ap.add_argument("--fresh-dst", action="store_true",
                     help="load into new, never-touched buffers each round (as a server's first restore does)")
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="N processes spinning on the CPU during the counted rounds (the engine's "
+                         "processes beside a server's prefetch)")
     ap.add_argument("--part", default=PART,
                     help="the part A goes without and B has (default %(default)s)")
     ap.add_argument("--json", action="store_true")
@@ -249,9 +255,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for name in procs:  # warm-up round (imports, first files), not counted
                 _ask(procs[name], "round 1000000")
-            for r in range(args.rounds):
-                for name in ("AB" if r % 2 == 0 else "BA"):
-                    runs[name].append(_ask(procs[name], f"round {r}"))
+            busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+            try:
+                for r in range(args.rounds):
+                    for name in ("AB" if r % 2 == 0 else "BA"):
+                        runs[name].append(_ask(procs[name], f"round {r}"))
+            finally:
+                for b in busy:
+                    b.kill()
+                    b.wait()
         finally:
             for p in procs.values():
                 if p.poll() is None:
@@ -268,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(x[field] for x in runs[name])
 
     total = runs["A"][0]["bytes"]
-    res = {"version": args.version, "part": args.part, "fresh_dst": args.fresh_dst, "rounds": args.rounds, "chunks": args.chunks, "sizes": args.sizes,
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    res = {"command": ["bench_l2_checksum.py", *(sys.argv[1:] if argv is None else argv)],
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_head": head,
+           "version": args.version, "part": args.part, "fresh_dst": args.fresh_dst, "busy": args.busy, "rounds": args.rounds, "chunks": args.chunks, "sizes": args.sizes,
            "odirect": args.odirect,
            "bytes_per_request": total, "cpus": os.cpu_count(),
            "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in load_after],
@@ -276,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                         for f in ("store_s", "lookup_s", "load_s", "store_cpu_s", "load_cpu_s")}}
     for f in ("blake3_s", "copy_s", "sha256_s", "crc32_s"):
         res["median_s"][f] = round(med("B", f), 5)
+    # The spread matters as much as the median: a prefetch waits for its slowest object.
+    res["max_s"] = {f"{w}_load_s": round(max(x["load_s"] for x in runs[n]), 5) for n, w in (("A", "without"), ("B", "with"))}
     res["ratio"] = {"store_with_over_without": round(med("B", "store_s") / med("A", "store_s"), 3),
                     "lookup_with_over_without": round(med("B", "lookup_s") / med("A", "lookup_s"), 3),
                     "load_with_over_without": round(med("B", "load_s") / med("A", "load_s"), 3),
@@ -296,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     m = res["median_s"]
     print(f"lmcache {args.version}{', O_DIRECT' if args.odirect else ', page cache'}, {args.chunks} chunks x "
           f"{args.sizes} B = {total / 2**20:.1f} MiB per request, "
-          f"{args.rounds} rounds (ABBA), {res['cpus']} CPUs, load average {load_before[0]:.2f} -> {load_after[0]:.2f}")
+          f"{args.rounds} rounds (ABBA), {res['cpus']} CPUs, load average {load_before[0]:.2f} -> {load_after[0]:.2f}"
+          + (f", {args.busy} spinning processes beside the rounds" if args.busy else ""))
     print(f"  A = without {args.part}, B = with it")
     print(f"  store   without {m['without_store_s'] * 1e3:8.2f} ms ({gb / m['without_store_s']:5.2f} GB/s)   "
           f"with {m['with_store_s'] * 1e3:8.2f} ms   ratio {res['ratio']['store_with_over_without']:.3f}")
@@ -304,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
           f"with {m['with_lookup_s'] * 1e3:8.2f} ms   ratio {res['ratio']['lookup_with_over_without']:.3f}")
     print(f"  load    without {m['without_load_s'] * 1e3:8.2f} ms ({gb / m['without_load_s']:5.2f} GB/s)   "
           f"with {m['with_load_s'] * 1e3:8.2f} ms   ratio {res['ratio']['load_with_over_without']:.3f}")
+    print(f"  load, slowest round: without {res['max_s']['without_load_s'] * 1e3:8.2f} ms   "
+          f"with {res['max_s']['with_load_s'] * 1e3:8.2f} ms")
     print(f"  CPU     store without {m['without_store_cpu_s'] * 1e3:8.2f} ms   with {m['with_store_cpu_s'] * 1e3:8.2f} ms"
           f"   ratio {res['ratio']['store_cpu_with_over_without']:.3f};   load without "
           f"{m['without_load_cpu_s'] * 1e3:8.2f} ms   with {m['with_load_cpu_s'] * 1e3:8.2f} ms   ratio "
