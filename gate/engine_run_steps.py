@@ -338,23 +338,34 @@ class ServerRestartStep(RunPrompts, RunRequests, RunStops):
         restarted server (the heartbeat's recovery callback); whatever it logged about LMCache
         meanwhile is recorded.
 
-        The worker's line, not the first "resuming normal operation": the scheduler side
-        (its own heartbeat: upstream 0.5.6, part 13 on 0.5.3-0.5.5) can resume first, and a
-        lookup sent before the worker re-registered finds no KV context on the new server and
-        misses once ("No GPU context found ... during lookup").  That window is recorded
-        (``scheduler_ahead_s``), and the stored prompt is asked once the engine can serve it."""
+        The worker's line, and every side's resume, not the first "resuming normal operation".
+        The scheduler side and the worker each run their own heartbeat (upstream 0.5.6, part 13
+        on 0.5.3-0.5.5), and either can resume first:
+        * the scheduler first: a lookup sent before the worker re-registered finds no KV context
+          on the new server and misses once ("No GPU context found ... during lookup");
+        * the worker first: the scheduler is still in degraded mode and sends no lookup at all.
+        Each side that logged "entering degraded mode" logs "resuming normal operation" once it
+        is back, so the gate waits for as many resumes as degraded entries (at least one).  The
+        windows are recorded (``scheduler_ahead_s``: the first resume before the worker's
+        line; ``last_resume_after_register_s``: the last resume after it), and the stored
+        prompt is asked once the whole engine can serve it."""
         deadline = time.monotonic() + self.cfg.server_recover_timeout
         keys = ("re-register", "healthy again", "unhealthy", "degraded", "LMCache server")
         while True:
             new = [gs._ANSI.sub("", ln).strip() for ln in vlog.log_text().splitlines()[skip:]]
             seen = [ln[-300:] for ln in new if any(k in ln for k in keys)]
             resumed = [ln for ln in seen if "resuming normal operation" in ln]
+            degraded = [ln for ln in seen if "entering degraded mode" in ln]
             registered = [ln for ln in seen if "Finished re-registering" in ln]
-            if registered or time.monotonic() >= deadline or not vlog.alive():
+            every_side_back = len(resumed) >= max(1, len(degraded))
+            if (registered and every_side_back) or time.monotonic() >= deadline or not vlog.alive():
+                both = resumed and registered
                 return {"recovered_line": bool(registered),
                         "seconds_after_server_start": round(time.monotonic() - t_up, 3),
                         "resumed_line": bool(resumed),
-                        "scheduler_ahead_s": gs.log_gap(resumed[0], registered[0]) if resumed and registered else None,
+                        "resumed_lines": len(resumed), "degraded_lines": len(degraded),
+                        "scheduler_ahead_s": gs.log_gap(resumed[0], registered[0]) if both else None,
+                        "last_resume_after_register_s": gs.log_gap(registered[0], resumed[-1]) if both else None,
                         "engine_alive": vlog.alive(), "lines": seen[-12:]}
             time.sleep(0.2)
 

@@ -8,9 +8,18 @@ the real engine on patched 0.5.5: the scheduler resumed 0.76 s before the
 worker re-registered, the gate asked in between, and the stored prompt got 0
 of 1,280 tokens although every later lookup hit.  The gate waits for the
 worker's line and records the window (``scheduler_ahead_s``) from the log's
-own timestamps."""
+own timestamps.
+
+The other order happens too.  Measured through the real engine on stacked
+0.5.6 (2026-12-06): the worker re-registered at 33.506 s and resumed, the
+scheduler resumed only at 34.734 s, the gate asked in between, and the
+scheduler, still in degraded mode, sent no lookup: 0 of 1,280 tokens.  Each
+side that logs "entering degraded mode" logs "resuming normal operation" when
+it is back, so the gate also waits for as many resumes as degraded entries."""
 
 from __future__ import annotations
+
+import time
 
 import engine_gate_cli as engine_gate
 
@@ -46,6 +55,34 @@ def test_waits_for_the_worker_not_the_scheduler() -> None:
     assert log.reads == 4  # did not stop at the scheduler's line (read 2)
     assert rec["recovered_line"] and rec["resumed_line"]
     assert rec["scheduler_ahead_s"] == 0.758
+
+
+DEGRADED = ("[2026-12-06 23:10:20,110] LMCache WARNING: LMCache server is unhealthy \u2014 entering degraded mode "
+            "(vllm_multi_process_adapter.py:614:lmcache.integration.vllm.vllm_multi_process_adapter)")
+WORKER_056 = ("[2026-12-06 23:10:33,506] LMCache WARNING: Finished re-registering KV caches after server recovery "
+              "(vllm_multi_process_adapter.py:1751:lmcache.integration.vllm.vllm_multi_process_adapter)")
+WORKER_RESUMED = ("[2026-12-06 23:10:33,506] LMCache WARNING: LMCache server is healthy again \u2014 resuming normal "
+                  "operation (vllm_multi_process_adapter.py:608:lmcache.integration.vllm.vllm_multi_process_adapter)")
+SCHED_LATE = ("[2026-12-06 23:10:34,734] LMCache WARNING: LMCache server is healthy again \u2014 resuming normal "
+              "operation (vllm_multi_process_adapter.py:608:lmcache.integration.vllm.vllm_multi_process_adapter)")
+
+
+def test_waits_for_the_scheduler_when_the_worker_resumes_first() -> None:
+    """Both sides went degraded; the worker re-registers and resumes, the scheduler resumes 1.2 s
+    later (the real engine's log lines of 2026-12-06): the gate waits for the second resume."""
+    log = GrowingLog([DEGRADED, DEGRADED.replace("20,110", "24,731"), WORKER_056, WORKER_RESUMED,
+                      "INFO unrelated", SCHED_LATE])
+    rec = _gate(30.0)._wait_recovery(log, 0, 0.0)
+    assert log.reads == 6  # not at the worker's own resume (read 4)
+    assert rec["recovered_line"] and rec["resumed_lines"] == 2 and rec["degraded_lines"] == 2
+    assert rec["scheduler_ahead_s"] == 0.0 and rec["last_resume_after_register_s"] == 1.228
+
+
+def test_a_side_that_never_resumes_is_waited_for_until_the_deadline() -> None:
+    t0 = time.monotonic()
+    rec = _gate(0.5)._wait_recovery(GrowingLog([DEGRADED, DEGRADED, WORKER_056, WORKER_RESUMED]), 0, 0.0)
+    assert time.monotonic() - t0 >= 0.5  # it kept polling for the second side
+    assert rec["recovered_line"] and rec["resumed_lines"] == 1 and rec["degraded_lines"] == 2
 
 
 def test_no_worker_line_is_not_recovered() -> None:
