@@ -114,7 +114,11 @@ def assert_heartbeat_recovers(doc: dict) -> None:
     changes = doc["health_changes"]
     assert [c["healthy"] for c in changes] == [True, False, True], changes
     assert doc["kill"]["at"] <= changes[1]["t"] <= outage["at"] + 0.05, (doc["kill"], changes)  # 10 ms sampling
-    assert changes[2]["t"] >= doc["restart"]["at"] + doc["restart"]["ready_s"] - 0.05, (doc["restart"], changes)
+    # Up again only once the restarted server exists.  Not "once it answers GET /healthcheck": the
+    # heartbeat pings over ZMQ, which the server binds before its HTTP frontend serves, and the
+    # probe polls that healthcheck; CI saw health back 0.12 s before the probe saw the server ready.
+    assert doc["restart"]["at"] <= changes[2]["t"], (doc["restart"], changes)
+    assert changes[2]["t"] <= doc["restart"]["at"] + doc["restart"]["ready_s"] + WAIT, (doc["restart"], changes)
     assert doc["adapter_heartbeats_at_end"][url]["runs"] > hb["runs"], doc["adapter_heartbeats_at_end"]
 
 
