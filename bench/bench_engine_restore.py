@@ -28,8 +28,8 @@ the start and the end: on a shared 2-core machine the seconds move with the load
 ratios much less.  Nothing is asserted about time; the exit code is 1 when the gate did
 not pass (a wrong restore is not a benchmark), 2 on an infrastructure error.
 
-    python3 bench/bench_engine_restore.py                    # 0.5.6 stacked
-    python3 bench/bench_engine_restore.py --version 0.5.4 --json bench/results/bench-engine-restore.json
+    python -m bench.bench_engine_restore                    # 0.5.6 stacked, from the repository root
+    python -m bench.bench_engine_restore --version 0.5.4 --json bench/results/bench-engine-restore.json
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from lab.engine_gate_evidence import engine_geometry
 
 REPO = Path(__file__).resolve().parents[1]
 EVIDENCE = REPO / "lab" / "engine_gate_evidence.py"
@@ -231,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     out = rows(result, restores)
     load = (load0, os.getloadavg()[0])
     print(render(out, load, args.version))
+    # The hybrid block is the machine's (640 with AVX-512 BF16, 384 without): the chunk count
+    # per prompt, and so the per-object costs, follow it.  Printed so two machines' runs compare.
+    geometry = engine_geometry(result) or {}
+    print(f"engine block {geometry.get('block')} tokens (cpu avx512_bf16 {geometry.get('cpu_avx512_bf16')}, "
+          f"amx_bf16 {geometry.get('cpu_amx_bf16')})")
     spans: list[dict] = []
     if args.trace:
         windows = [("first", r.first_restored_s) for r in out[:1] if r.first_restored_s] + \
@@ -243,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                               text=True).stdout.strip()
         doc = {"schema": "lmcache-patchtool/bench-engine-restore/v1", "command": " ".join(sys.argv),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "git_head": head, "cpus": os.cpu_count(), "load_average": list(load), "lmcache": args.version,
+               "git_head": head, "cpus": os.cpu_count(), "engine_geometry": geometry, "load_average": list(load), "lmcache": args.version,
                "verdict": verdict, "work": str(work), "rows": [r.to_json() for r in out],
                "breakdown": spans or None}
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

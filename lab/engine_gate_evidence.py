@@ -273,7 +273,7 @@ def summarise(name: str, spec: dict, result: dict, rc: int, seconds: float) -> d
             "as_expected": verdict.get("status") == spec["expect"],
             "reasons": verdict.get("reasons", [])[:4], "engine_refused": result.get("engine_refused"),
             "device": result.get("device"), "block": _block(result),
-            "geometry": _geometry(result),
+            "geometry": engine_geometry(result),
             "ttft": result.get("ttft"), "restore": per_length, "engine_starts": starts,
             "extras": _extras(result), "lengths": spec.get("lengths"),
             "cycle_seconds": round(seconds, 1), "kv_probe_ok": (result.get("kv_probe") or {}).get("ok"),
@@ -290,7 +290,7 @@ def _block(result: dict) -> int | None:
         ((geo.get("vllm_logs") or {}).get("cold") or {}).get("attention_block_size")
 
 
-def _geometry(result: dict) -> dict | None:
+def engine_geometry(result: dict) -> dict | None:
     """What decided the block: the SSM state dtype asked and resolved, the CPU's features."""
     geo = (result.get("geometry") or {}).get("engine")
     if not geo:

@@ -86,3 +86,13 @@ def test_breakdown_reads_the_restore_engine_and_clips_each_call_to_its_window():
     assert row["lookup_polls"] == 2 and row["until_last_poll_ms"] == 60.0
     assert row[lookup] == 30.0  # three polls inside the window, one of another request's
     assert row[load] == 120.0  # clipped at 101.2; process 99 and the store engine not counted
+
+
+def test_the_engine_geometry_names_the_block_and_the_cpu_features_that_chose_it():
+    """Two machines' runs compare only with their blocks beside them (640 tokens with
+    AVX-512 BF16, 384 without): the bench records what the gate's probe found."""
+    result = {"geometry": {"engine": {"block_size": 384, "ssm_state_dtype": "float32", "source": "probe",
+                                      "cpu_features": {"avx512_bf16": False, "amx_bf16": False}}}}
+    geo = ber.engine_geometry(result)
+    assert (geo["block"], geo["cpu_avx512_bf16"], geo["cpu_amx_bf16"]) == (384, False, False)
+    assert ber.engine_geometry({}) is None  # a run without the probe: nothing is made up
