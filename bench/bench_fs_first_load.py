@@ -46,7 +46,7 @@ def worker(base: Path, phase: str, loads: int, chunks: int, size: int, prewarm: 
     from lmcache.v1.distributed.api import ObjectKey  # noqa: PLC0415
     from lmcache.v1.distributed.l2_adapters import fs_l2_adapter as fsa  # noqa: PLC0415
 
-    from bench.bench_l2_checksum import _Obj, _wait  # noqa: PLC0415 - page-aligned buffers, task polling
+    from bench.bench_l2_checksum import HostObject, wait_for_task  # noqa: PLC0415 - inside the runtime venv
 
     def keys(request: int) -> list[Any]:
         return [ObjectKey(chunk_hash=request.to_bytes(4, "big") + i.to_bytes(4, "big"), model_name="bench/m",
@@ -55,18 +55,18 @@ def worker(base: Path, phase: str, loads: int, chunks: int, size: int, prewarm: 
     adapter = fsa.FSL2Adapter(fsa.FSL2AdapterConfig(str(base)))
     try:
         if phase == "store":
-            src = [_Obj(size) for _ in range(chunks)]
+            src = [HostObject(size) for _ in range(chunks)]
             blob = os.urandom(size)
             for o in src:
                 o.mem[:] = blob
             for r in range(loads):
-                if int(_wait(lambda t: adapter.pop_completed_store_tasks().get(t),
+                if int(wait_for_task(lambda t: adapter.pop_completed_store_tasks().get(t),
                              adapter.submit_store_task(keys(r), src))) < 0:
                     raise SystemExit(f"bench_fs_first_load: store failed in {base}")
             for p in base.iterdir():  # every file into the page cache
                 p.read_bytes()
             return
-        dst = [_Obj(size) for _ in range(chunks)]
+        dst = [HostObject(size) for _ in range(chunks)]
         for d in dst:  # touched, as LMCache's L1 is at start
             d.mem[:] = bytes(size)
         if prewarm:
@@ -78,11 +78,11 @@ def worker(base: Path, phase: str, loads: int, chunks: int, size: int, prewarm: 
         for r in range(loads):
             ks = keys(r)
             t0 = time.perf_counter()
-            found = _wait(adapter.query_lookup_and_lock_result, adapter.submit_lookup_and_lock_task(ks, {}))
+            found = wait_for_task(adapter.query_lookup_and_lock_result, adapter.submit_lookup_and_lock_task(ks, {}))
             t1 = time.perf_counter()
             adapter.submit_unlock(ks)
             t2 = time.perf_counter()
-            bitmap = _wait(adapter.query_load_result, adapter.submit_load_task(ks, dst))
+            bitmap = wait_for_task(adapter.query_load_result, adapter.submit_load_task(ks, dst))
             t3 = time.perf_counter()
             if len(found.get_indices_list()) != chunks or len(bitmap.get_indices_list()) != chunks:
                 raise SystemExit(f"bench_fs_first_load: request {r} missed objects in {base}")

@@ -69,7 +69,7 @@ DEFAULT_SIZES = (3342336, 1114112)
 # ---------------------------------------------------------------------------
 
 
-class _Obj:
+class HostObject:
     """What the adapter reads of a MemoryObj: ``byte_array``, page-aligned."""
 
     def __init__(self, size: int) -> None:
@@ -82,7 +82,8 @@ class _Obj:
         return memoryview(self.mem)
 
 
-def _wait(poll, task_id: int) -> Any:
+def wait_for_task(poll, task_id: int) -> Any:
+    """Poll the adapter for ``task_id``'s result until it has one."""
     while True:
         got = poll(task_id)
         if got is not None:
@@ -98,11 +99,11 @@ def worker(base: Path, sizes: list[int], chunks: int, odirect: bool = False, fre
     from lmcache.v1.distributed.l2_adapters import fs_l2_adapter as fsa  # noqa: PLC0415
 
     adapter = fsa.FSL2Adapter(fsa.FSL2AdapterConfig(str(base), use_odirect=odirect))
-    src = [_Obj(size) for _ in range(chunks) for size in sizes]
+    src = [HostObject(size) for _ in range(chunks) for size in sizes]
     blob = os.urandom(max(sizes))
     for o in src:
         o.mem[:] = blob[:len(o.mem)]
-    dst = [_Obj(len(o.mem)) for o in src]
+    dst = [HostObject(len(o.mem)) for o in src]
     total = sum(len(o.mem) for o in src)
     checked = hasattr(fsa, "SUM_TRAILER_LEN")
 
@@ -131,21 +132,21 @@ def worker(base: Path, sizes: list[int], chunks: int, odirect: bool = False, fre
             # event loop and executor threads): on a shared, loaded machine the
             # wall clock swings, the CPU seconds an operation costs do not.
             t0, c0 = time.perf_counter(), time.process_time()
-            result = _wait(popped, adapter.submit_store_task(ks, src))
+            result = wait_for_task(popped, adapter.submit_store_task(ks, src))
             t_store, c_store = time.perf_counter() - t0, time.process_time() - c0
             if int(result) < 0:  # L2StoreResult: -1 on failure
                 raise SystemExit(f"bench worker: store failed in {base}")
             # the lookup a prefetch makes first (every key's file checked), then its unlock
             t0 = time.perf_counter()
-            found = _wait(adapter.query_lookup_and_lock_result, adapter.submit_lookup_and_lock_task(ks, {}))
+            found = wait_for_task(adapter.query_lookup_and_lock_result, adapter.submit_lookup_and_lock_task(ks, {}))
             t_lookup = time.perf_counter() - t0
             adapter.submit_unlock(ks)
             if len(found.get_indices_list()) != len(ks):
                 raise SystemExit(f"bench worker: the lookup found {len(found.get_indices_list())} of {len(ks)} in {base}")
             if fresh_dst:  # never-touched buffers: the load's first write to each page faults
-                dst = [_Obj(len(o.mem)) for o in src]
+                dst = [HostObject(len(o.mem)) for o in src]
             t0, c0 = time.perf_counter(), time.process_time()
-            bitmap = _wait(adapter.query_load_result, adapter.submit_load_task(ks, dst))
+            bitmap = wait_for_task(adapter.query_load_result, adapter.submit_load_task(ks, dst))
             t_load, c_load = time.perf_counter() - t0, time.process_time() - c0
             if len(bitmap.get_indices_list()) != len(ks):
                 raise SystemExit(f"bench worker: {len(ks) - len(bitmap.get_indices_list())} loads missed in {base}")
