@@ -6,9 +6,13 @@ executor job per object, issue 39).
 Two long-lived workers run the REAL ``FSL2Adapter`` in a version's runtime
 venv, each in its own temporary directory on the same filesystem:
 
-* A -- the series WITHOUT 12-l2-checksum (upstream's adapter: no trailer,
-  no check), or without ``--part``;
-* B -- the series WITH it (blake3 trailer written on store, verified on load).
+* A -- the series up to 12-l2-checksum, without it (upstream's adapter: no
+  trailer, no check), or up to ``--part``;
+* B -- the same parts and 12-l2-checksum (blake3 trailer written on store,
+  verified on load), or ``--part``.
+
+The parts after ``--part`` are left out of both: a later part may build on it
+(20-fs-load-jobs reads 12's trailer), so the series without it cannot carry them.
 
 Each round, each worker stores one request's objects (``--chunks`` chunks of
 ``--sizes`` bytes, fresh keys, one store task as the server submits it),
@@ -171,10 +175,12 @@ def worker(base: Path, sizes: list[int], chunks: int, odirect: bool = False, fre
 
 
 def _series(root: Path, version: str, with_part: bool, part: str = PART) -> list[Path]:
+    """The parts before ``part``, and ``part`` itself when ``with_part``."""
     patches = sorted((root / version).glob("*.patch"))
-    if not any(p.stem == part for p in patches):
+    stems = [p.stem for p in patches]
+    if part not in stems:
         raise SystemExit(f"bench_l2_checksum: {root / version} has no {part}")
-    return [p for p in patches if with_part or p.stem != part]
+    return patches[:stems.index(part) + (1 if with_part else 0)]
 
 
 def _start(version: str, with_part: bool, base: Path, args: argparse.Namespace) -> subprocess.Popen:
