@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-EXECUTOR_THREADS = 8  # above asyncio's default executor's min(32, cpus + 4) on a 2-4 core host
+# asyncio's default executor (concurrent.futures.ThreadPoolExecutor) makes up to this many threads
+EXECUTOR_THREADS = min(32, (os.cpu_count() or 1) + 4)
 
 
 def worker(base: Path, phase: str, loads: int, chunks: int, size: int, prewarm: bool) -> None:
@@ -92,12 +93,20 @@ def worker(base: Path, phase: str, loads: int, chunks: int, size: int, prewarm: 
         adapter.close()
 
 
-def _run_worker(version: str, base: Path, phase: str, args: argparse.Namespace, prewarm: bool = False) -> str:
+def _runtime(version: str) -> tuple[Path, dict[str, str]]:
+    """The runtime venv's python and an environment with the shipped hybrid-fa overlay first
+    (provisioned once per run, not per worker)."""
     from lab import provision  # noqa: PLC0415
 
     python = provision.runtime_env(version) / "bin" / "python"
     overlay = provision.overlay(version, sorted((REPO / "patches" / "hybrid-fa" / version).glob("*.patch")))
     env = dict(os.environ, PYTHONPATH=f"{overlay}:{REPO}", LMCACHE_LOG_LEVEL="WARNING", LMCACHE_DISABLE_BANNER="1")
+    return python, env
+
+
+def _run_worker(runtime: tuple[Path, dict[str, str]], base: Path, phase: str, args: argparse.Namespace,
+                prewarm: bool = False) -> str:
+    python, env = runtime
     argv = [str(python), "-m", "bench.bench_fs_first_load", "--worker", str(base), "--phase", phase,
             "--loads", str(args.loads), "--chunks", str(args.chunks), "--size", str(args.size)] \
         + (["--prewarm"] if prewarm else [])
@@ -113,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--version", default="0.5.6")
     ap.add_argument("--starts", type=int, default=8, help="new adapter processes (restarts) of each kind")
     ap.add_argument("--loads", type=int, default=5, help="requests per process, the first included")
-    ap.add_argument("--chunks", type=int, default=9, help="objects per request (9: 3k tokens at 384-token chunks)")
+    ap.add_argument("--chunks", type=int, default=9,
+                    help="objects per request (default 9: the engine bench's first restore, 3,073 tokens, on a "
+                         "host whose block is 384 tokens)")
     ap.add_argument("--size", type=int, default=1310720, help="bytes per object (the tiny hybrid's)")
     ap.add_argument("--prewarm", action="store_true", help=argparse.SUPPRESS)  # a worker's kind
     ap.add_argument("--json", type=Path, help="also write the figures as JSON to this file")
@@ -126,13 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, args.phase, args.loads, args.chunks, args.size, args.prewarm)
         return 0
 
+    runtime = _runtime(args.version)
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-fs-first-load-") as tmp:
-        _run_worker(args.version, Path(tmp), "store", args)
+        _run_worker(runtime, Path(tmp), "store", args)
         runs: dict[str, list] = {"plain": [], "prewarmed": []}
         for i in range(args.starts):  # alternating, so that drift hits both kinds alike
             for kind in (("plain", "prewarmed") if i % 2 == 0 else ("prewarmed", "plain")):
-                runs[kind].append(json.loads(_run_worker(args.version, Path(tmp), "load", args, kind == "prewarmed")))
+                runs[kind].append(json.loads(_run_worker(runtime, Path(tmp), "load", args, kind == "prewarmed")))
     load1 = os.getloadavg()[0]
 
     def ms(values: list[float]) -> float:
